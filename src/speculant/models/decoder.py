@@ -1,0 +1,212 @@
+"""A compact decoder for the Llama / Qwen2 / Gemma 3 family, written for KV-cached decoding.
+
+Weights live in plain tensors (no autograd, no nn.Module machinery): the loaders fill a
+`Weights` object, and `Transformer.forward` runs T new tokens at positions
+start .. start+T-1 against a `KVCache`.
+
+Numerics: CPU matmul kernels differ by row count (bf16: 1 row vs >= 2 rows; fp32: < 4
+rows vs >= 4). A verify pass over k+1 rows and a plain step over 1 row would then round
+differently and a near-tie argmax could flip, making greedy speculative output drift
+from plain output. Every pass is therefore padded to at least `min_rows` rows, so all
+passes take the same kernel family and agree bitwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speculant.cache import KVCache
+from speculant.models.config import ModelConfig
+
+MIN_ROWS = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor  # [dim]
+    wqkv: Tensor  # [(n_heads + 2 * n_kv_heads) * head_dim, dim]
+    wo: Tensor  # [dim, n_heads * head_dim]
+    ffn_norm: Tensor  # [dim]
+    w_gate_up: Tensor  # [2 * ffn_dim, dim]
+    w_down: Tensor  # [dim, ffn_dim]
+    bqkv: Tensor | None = None  # [(n_heads + 2 * n_kv_heads) * head_dim]
+    q_norm: Tensor | None = None  # [head_dim]
+    k_norm: Tensor | None = None  # [head_dim]
+    post_attn_norm: Tensor | None = None  # [dim]
+    post_ffn_norm: Tensor | None = None  # [dim]
+
+
+@dataclass
+class Weights:
+    tok_embeddings: Tensor  # [vocab, dim]
+    norm: Tensor  # [dim]
+    output: Tensor  # [vocab, dim] (the embedding itself when tied)
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    def tensors(self) -> list[Tensor]:
+        out = [self.tok_embeddings, self.norm, self.output]
+        for lw in self.layers:
+            out.extend(t for t in vars(lw).values() if isinstance(t, Tensor))
+        return out
+
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.tensors():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x: [..., d] -> [..., d]; computed in float32, returned in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, theta: float, n_pos: int, scaling: float = 1.0) -> Tensor:
+    """cos/sin per position: [2, n_pos, head_dim] float32 (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos = torch.arange(n_pos, dtype=torch.float32) / scaling
+    freqs = torch.outer(pos, inv_freq)  # [n_pos, head_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos(), emb.sin()])
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [1, heads, T, head_dim]; cos, sin: [T, head_dim] in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Transformer:
+    """The decoder. `forward` is the only entry point; it writes the cache it is given."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.min_rows = MIN_ROWS.get(dtype, 1)
+        n_pos = config.max_seq_len + 16
+        self._rope_full = rope_tables(
+            config.head_dim, config.rope_theta, n_pos, config.rope_scaling_factor
+        ).to(dtype)
+        local = config.rope_local_theta
+        self._rope_local = (
+            rope_tables(config.head_dim, local, n_pos).to(dtype) if local else self._rope_full
+        )
+
+    def new_cache(self, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        start: int,
+        *,
+        logits: bool = True,
+        return_hidden: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Run tokens [T] at positions start .. start+T-1.
+
+        Returns (logits [T, vocab] float32 or None, hidden [T, dim] or None); the hidden
+        state is the final-normed feature the LM head reads. Sets cache.length = start+T.
+        """
+        c = self.config
+        n_real = tokens.shape[0]
+        if start + n_real > cache.capacity:
+            raise ValueError(
+                f"positions up to {start + n_real} exceed the context capacity {cache.capacity}"
+            )
+        if n_real < self.min_rows:  # same-kernel padding, see the module docstring
+            pad = tokens.new_zeros(self.min_rows - n_real)
+            tokens = torch.cat([tokens, pad])
+        t = tokens.shape[0]
+        end = start + t
+        w = self.weights
+        x = F.embedding(tokens, w.tok_embeddings)  # [T, dim]
+        if c.embed_scale != 1.0:
+            x = x * torch.tensor(c.embed_scale, dtype=self.dtype)
+        q_pos = torch.arange(start, end)
+        k_pos = torch.arange(end)
+        causal = k_pos[None, :] <= q_pos[:, None]  # [T, end]
+        window = (
+            causal & (q_pos[:, None] - k_pos[None, :] < c.sliding_window)
+            if c.sliding_window
+            else causal
+        )
+        full_cs = self._rope_full[:, start:end]
+        local_cs = self._rope_local[:, start:end]
+        for i, lw in enumerate(w.layers):
+            sliding = c.is_sliding(i)
+            cs = local_cs if sliding else full_cs
+            h = rms_norm(x, lw.attn_norm, c.norm_eps)
+            h = self._attention(h, lw, cache, i, start, cs[0], cs[1], window if sliding else causal)
+            if lw.post_attn_norm is not None:
+                h = rms_norm(h, lw.post_attn_norm, c.norm_eps)
+            x = x + h
+            h = rms_norm(x, lw.ffn_norm, c.norm_eps)
+            h = self._mlp(h, lw)
+            if lw.post_ffn_norm is not None:
+                h = rms_norm(h, lw.post_ffn_norm, c.norm_eps)
+            x = x + h
+        cache.length = start + n_real
+        hidden = rms_norm(x, w.norm, c.norm_eps)  # [T, dim]
+        out_logits = None
+        if logits:
+            out_logits = F.linear(hidden, w.output).float()  # [T, vocab]
+            if c.final_logit_softcap:
+                cap = c.final_logit_softcap
+                out_logits = torch.tanh(out_logits / cap) * cap
+            out_logits = out_logits[:n_real]
+        return out_logits, (hidden[:n_real] if return_hidden else None)
+
+    def _attention(
+        self,
+        x: Tensor,
+        lw: LayerWeights,
+        cache: KVCache,
+        layer: int,
+        start: int,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+    ) -> Tensor:
+        c = self.config
+        t = x.shape[0]
+        hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
+        qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2 nkv) hd]
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(t, nh, hd).transpose(0, 1)[None]  # [1, nh, T, hd]
+        k = k.view(t, nkv, hd).transpose(0, 1)[None]  # [1, nkv, T, hd]
+        v = v.view(t, nkv, hd).transpose(0, 1)[None]
+        if lw.q_norm is not None and lw.k_norm is not None:
+            q = rms_norm(q, lw.q_norm, c.norm_eps)
+            k = rms_norm(k, lw.k_norm, c.norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        cache.write(layer, start, k, v)
+        keys, values = cache.view(layer, start + t)  # [1, nkv, start+T, hd]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=c.scale, enable_gqa=nkv != nh
+        )  # [1, nh, T, hd]
+        out = out[0].transpose(0, 1).reshape(t, nh * hd)
+        return F.linear(out, lw.wo)
+
+    def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:
+        gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
+        if self.config.activation == "silu":
+            act = F.silu(gate)
+        else:
+            act = F.gelu(gate, approximate="tanh")
+        return F.linear(act * up, lw.w_down)

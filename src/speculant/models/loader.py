@@ -1,0 +1,361 @@
+"""Weight loaders: GGUF files (dequantized with `gguf`) and Hugging Face directories.
+
+Both produce a `ModelConfig` and a `Weights` object in our canonical layout:
+fused QKV and gate/up projections, Gemma norms as effective (1 + w) multipliers,
+rotate-half RoPE ordering for Q and K.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from speculant.models.config import ModelConfig
+from speculant.models.decoder import LayerWeights, Weights
+
+
+class ModelLoadError(ValueError):
+    """A model file or folder that cannot be loaded, with the reason."""
+
+
+
+
+# ----------------------------------------------------------------------------- assembly
+def _assemble(
+    config: ModelConfig, get: Callable[[str], Tensor | None], names: dict[str, str], dtype: torch.dtype
+) -> Weights:
+    """Build Weights from a source. `names` maps our roles to the source's names, with
+    "{i}" for the layer index; `get` returns a float32 tensor or None when absent."""
+
+    def need(role: str, i: int | None = None) -> Tensor:
+        name = names[role].format(i=i)
+        t = get(name)
+        if t is None:
+            raise ModelLoadError(f"tensor {name!r} is missing")
+        return t
+
+    def opt(role: str, i: int | None = None) -> Tensor | None:
+        return get(names[role].format(i=i)) if role in names else None
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(dtype).contiguous()
+
+    emb = cast(need("embed"))
+    out = opt("output")
+    output = emb if out is None or config.tie_embeddings else cast(out)
+    layers = []
+    for i in range(config.n_layers):
+        q, k, v = need("q", i), need("k", i), need("v", i)
+        bias = None
+        if config.qkv_bias:
+            bias = cast(torch.cat([need("q_bias", i), need("k_bias", i), need("v_bias", i)]))
+        gate, up = need("gate", i), need("up", i)
+        post_attn = opt("post_attn_norm", i) if config.sandwich_norm else None
+        post_ffn = opt("post_ffn_norm", i) if config.sandwich_norm else None
+        q_norm = opt("q_norm", i) if config.qk_norm else None
+        k_norm = opt("k_norm", i) if config.qk_norm else None
+        layers.append(
+            LayerWeights(
+                attn_norm=cast(need("attn_norm", i)),
+                wqkv=cast(torch.cat([q, k, v])),
+                wo=cast(need("o", i)),
+                ffn_norm=cast(need("ffn_norm", i)),
+                w_gate_up=cast(torch.cat([gate, up])),
+                w_down=cast(need("down", i)),
+                bqkv=bias,
+                q_norm=None if q_norm is None else cast(q_norm),
+                k_norm=None if k_norm is None else cast(k_norm),
+                post_attn_norm=None if post_attn is None else cast(post_attn),
+                post_ffn_norm=None if post_ffn is None else cast(post_ffn),
+            )
+        )
+    return Weights(tok_embeddings=emb, norm=cast(need("norm")), output=output, layers=layers)
+
+
+# --------------------------------------------------------------------------- HF folders
+_HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "output": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj.weight",
+    "k": "model.layers.{i}.self_attn.k_proj.weight",
+    "v": "model.layers.{i}.self_attn.v_proj.weight",
+    "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "q_bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+_HF_FFN_NORM = "model.layers.{i}.post_attention_layernorm.weight"  # llama / qwen2
+_GEMMA_NORMS = {
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+
+
+def _rope_theta(cfg: dict[str, Any], kind: str | None = None) -> tuple[float, float]:
+    """(theta, linear scaling factor) from old (`rope_theta`) or new (`rope_parameters`)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and kind is not None and kind in params:
+        params = params[kind]
+    if isinstance(params, dict) and "rope_theta" in params:
+        factor = 1.0
+        if params.get("rope_type", "default") == "linear":
+            factor = float(params.get("factor", 1.0))
+        elif params.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"rope_type {params.get('rope_type')!r} is not supported")
+        return float(params["rope_theta"]), factor
+    scaling = cfg.get("rope_scaling") or {}
+    factor = float(scaling.get("factor", 1.0)) if scaling.get("rope_type") == "linear" else 1.0
+    if kind == "sliding_attention" and "rope_local_base_freq" in cfg:
+        return float(cfg["rope_local_base_freq"]), 1.0
+    return float(cfg.get("rope_theta", 10000.0)), factor
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type == "gemma3" and "text_config" in cfg:
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+        model_type = "gemma3_text"
+    arch = _HF_ARCH.get(str(model_type))
+    if arch is None:
+        raise ModelLoadError(
+            f"model_type {model_type!r} is not supported: use one of {sorted(_HF_ARCH)}"
+        )
+    n_heads = int(cfg["num_attention_heads"])
+    dim = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or dim // n_heads)
+    common: dict[str, Any] = dict(
+        arch=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        dim=dim,
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=head_dim,
+        ffn_dim=int(cfg["intermediate_size"]),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
+    )
+    if arch == "gemma3":
+        theta, factor = _rope_theta(cfg, "full_attention")
+        local_theta, _ = _rope_theta(cfg, "sliding_attention")
+        layer_types = cfg.get("layer_types") or [
+            "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0
+            else "sliding_attention"
+            for i in range(common["n_layers"])
+        ]
+        return ModelConfig(
+            **common,
+            rope_theta=theta,
+            rope_scaling_factor=factor,
+            rope_local_theta=local_theta,
+            qk_norm=True,
+            sandwich_norm=True,
+            embed_scale=math.sqrt(dim),
+            query_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types),
+            activation="gelu_tanh",
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
+        )
+    if cfg.get("attn_logit_softcapping"):
+        raise ModelLoadError("attention logit softcapping is not supported")
+    if arch == "llama" and (cfg.get("mlp_bias") or cfg.get("attention_bias")):
+        raise ModelLoadError("llama checkpoints with attention_bias / mlp_bias are not supported")
+    theta, factor = _rope_theta(cfg)
+    return ModelConfig(
+        **common, rope_theta=theta, rope_scaling_factor=factor, qkv_bias=arch == "qwen2"
+    )
+
+
+def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
+    from safetensors import safe_open
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model folder")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    config = config_from_hf(json.loads(cfg_file.read_text()))
+    # canonical name -> (file handle, name in the file); multimodal wrappers nest the
+    # text model under "language_model".
+    source: dict[str, tuple[Any, str]] = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt")
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            canon = key.replace("model.language_model.", "model.", 1)
+            source[canon.removeprefix("language_model.")] = (handle, key)
+
+    gemma = config.arch == "gemma3"
+
+    def get(name: str) -> Tensor | None:
+        if name not in source:
+            return None
+        handle, key = source[name]
+        t = handle.get_tensor(key).float()
+        if gemma and name.endswith("norm.weight"):
+            t = t + 1.0  # Gemma RMSNorm multiplies by (1 + w)
+        return t
+
+    names = dict(_HF_NAMES)
+    if gemma:
+        names.update(_GEMMA_NORMS)
+    else:
+        names["ffn_norm"] = _HF_FFN_NORM
+    return config, _assemble(config, get, names, dtype)
+
+
+# --------------------------------------------------------------------------------- GGUF
+_GGUF_NAMES = {
+    "embed": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "output": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "q": "blk.{i}.attn_q.weight",
+    "k": "blk.{i}.attn_k.weight",
+    "v": "blk.{i}.attn_v.weight",
+    "o": "blk.{i}.attn_output.weight",
+    "q_bias": "blk.{i}.attn_q.bias",
+    "k_bias": "blk.{i}.attn_k.bias",
+    "v_bias": "blk.{i}.attn_v.bias",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+    "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
+    "post_ffn_norm": "blk.{i}.post_ffw_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight",
+    "up": "blk.{i}.ffn_up.weight",
+    "down": "blk.{i}.ffn_down.weight",
+}
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def config_from_gguf(reader: Any, has_output: bool) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "gemma3"):
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported: use llama, qwen2 or gemma3"
+        )
+
+    def f(key: str, default: Any = None) -> Any:
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata {arch}.{key} is missing")
+        return value
+
+    dim = int(f("embedding_length"))
+    n_heads = int(f("attention.head_count"))
+    n_kv = f("attention.head_count_kv", n_heads)
+    head_dim = int(f("attention.key_length", dim // n_heads))
+    n_layers = int(f("block_count"))
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    common: dict[str, Any] = dict(
+        arch=arch,
+        vocab_size=int(emb.shape[-1]),  # gguf shapes are (in, out)
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),
+        head_dim=head_dim,
+        ffn_dim=int(f("feed_forward_length")),
+        norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_seq_len=int(f("context_length", 4096)),
+        tie_embeddings=not has_output,
+    )
+    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = 1.0
+    if scaling_type == "linear":
+        factor = float(f("rope.scaling.factor", 1.0))
+    elif scaling_type not in ("none", None):
+        raise ModelLoadError(f"rope scaling {scaling_type!r} is not supported")
+    theta = float(f("rope.freq_base", 10000.0))
+    if arch == "gemma3":
+        # llama.cpp's gemma3 conventions: every 6th layer is global, local rope base 10k.
+        pattern = int(gguf_field(reader, "gemma3.attention.sliding_window_pattern", 6) or 6)
+        return ModelConfig(
+            **common,
+            rope_theta=theta,
+            rope_scaling_factor=factor,
+            rope_local_theta=10000.0,
+            qk_norm=True,
+            sandwich_norm=True,
+            embed_scale=math.sqrt(dim),
+            query_scale=head_dim**-0.5,
+            sliding_window=int(f("attention.sliding_window")),
+            layer_types=tuple(
+                "full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)
+            ),
+            activation="gelu_tanh",
+        )
+    return ModelConfig(
+        **common, rope_theta=theta, rope_scaling_factor=factor, qkv_bias=arch == "qwen2"
+    )
+
+
+def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
+    """Undo the llama.cpp converter's Q/K row permutation (interleaved -> rotate-half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@contextmanager
+def _gguf_reader(path: Path) -> Iterator[Any]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises assorted errors on bad files
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    yield reader
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
+) -> tuple[ModelConfig, Weights]:
+    from gguf.quants import dequantize
+
+    with _gguf_reader(path) as reader:
+        tensors = {t.name: t for t in reader.tensors}
+        config = config_from_gguf(reader, has_output="output.weight" in tensors)
+        done = [0]
+
+        def get(name: str) -> Tensor | None:
+            t = tensors.get(name)
+            if t is None:
+                return None
+            arr = dequantize(t.data, t.tensor_type)
+            shape = tuple(int(s) for s in reversed(t.shape))  # gguf lists (in, out)
+            out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+            if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = config.n_heads if "attn_q" in name else config.n_kv_heads
+                out = _unpermute_rope(out, heads)
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], len(tensors))
+            return out
+
+        return config, _assemble(config, get, _GGUF_NAMES, dtype)

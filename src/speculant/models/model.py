@@ -1,0 +1,159 @@
+"""`Model`: a decoder plus its tokenizer, and `load_model` that finds and loads one."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from speculant.cache import KVCache
+from speculant.models import registry
+from speculant.models.config import ModelConfig
+from speculant.models.decoder import Transformer
+from speculant.models.loader import ModelLoadError, load_gguf, load_hf_dir
+from speculant.models.tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class Model:
+    """A loaded model: `net` runs tokens, `tokenizer` (may be None for a bare HF folder)."""
+
+    def __init__(
+        self,
+        name: str,
+        config: ModelConfig,
+        net: Transformer,
+        tokenizer: Tokenizer | None,
+        source: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.net = net
+        self.tokenizer = tokenizer
+        self.source = source
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Model({self.name!r}, arch={c.arch}, layers={c.n_layers}, dim={c.dim}, "
+            f"dtype={str(self.dtype).removeprefix('torch.')})"
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.net.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return self.net.new_cache(capacity)
+
+    def forward(
+        self, token_ids: Sequence[int] | Tensor, cache: KVCache, start: int
+    ) -> Tensor:
+        """Logits [T, vocab] float32 for tokens at positions start .. start+T-1."""
+        tokens = torch.as_tensor(token_ids, dtype=torch.long)
+        logits, _ = self.net.forward(tokens, cache, start)
+        assert logits is not None
+        return logits
+
+    def prefill(self, token_ids: Sequence[int], cache: KVCache, start: int = 0,
+                chunk: int = 256) -> None:
+        """Write the cache for token_ids at start.. without computing logits."""
+        for i in range(0, len(token_ids), chunk):
+            part = torch.as_tensor(token_ids[i : i + chunk], dtype=torch.long)
+            self.net.forward(part, cache, start + i, logits=False)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype {dtype} is not supported: use float32 or bfloat16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported: use one of float32, bfloat16")
+    return DTYPES[dtype]
+
+
+def load_model(
+    name_or_path: str | Path, dtype: str | torch.dtype = "bfloat16", progress: bool = True
+) -> Model:
+    """Load a registry name (pulled on first use), a .gguf file or a Hugging Face folder."""
+    torch_dtype = parse_dtype(dtype)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return _load_path(path, torch_dtype, progress, name=path.name)
+    text = str(name_or_path)
+    if text in registry.KNOWN_MODELS:
+        gguf_path = registry.pull(text, progress=progress)
+        return _load_path(gguf_path, torch_dtype, progress, name=text)
+    if text.endswith(".gguf") or "/" in text or text.startswith("."):
+        raise ModelLoadError(f"model file or folder {text!r} does not exist")
+    known = ", ".join(sorted(registry.KNOWN_MODELS))
+    raise registry.UnknownModelError(
+        f"unknown model {text!r}: use a built-in name ({known}), a .gguf file, "
+        "or a Hugging Face folder with config.json and *.safetensors"
+    )
+
+
+def _load_path(path: Path, dtype: torch.dtype, progress: bool, name: str) -> Model:
+    t0 = time.perf_counter()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            path = ggufs[0]
+    if path.is_dir():
+        config, weights = load_hf_dir(path, dtype)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    elif path.suffix == ".gguf":
+        config, weights = _load_gguf_with_progress(path, dtype, progress, name)
+        tokenizer = Tokenizer.from_gguf(path)
+    else:
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face folder")
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
+            f"{config.vocab_size} embeddings"
+        )
+    net = Transformer(config, weights, dtype)
+    if progress:
+        print(
+            f"loaded {name} ({config.arch}, {weights.nbytes() / 1e9:.2f} GB "
+            f"{str(dtype).removeprefix('torch.')}) in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+        )
+    return Model(name, config, net, tokenizer, source=path)
+
+
+def _load_gguf_with_progress(path: Path, dtype: torch.dtype, progress: bool, name: str):  # type: ignore[no-untyped-def]
+    if not progress:
+        return load_gguf(path, dtype)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn(f"dequantizing {name}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("tensors", total=None)
+
+        def tick(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return load_gguf(path, dtype, progress=tick)

@@ -1,0 +1,816 @@
+"""Tokenizer for the speculant inference engine.
+
+The decoder is our own; this module only turns text into token ids and back, and renders chat
+templates. Two sources are supported:
+
+* GGUF files: the tokenizer lives in the ``tokenizer.ggml.*`` metadata and
+  ``tokenizer.chat_template``. The first load converts it with transformers' own GGUF tokenizer
+  conversion (metadata only, tensors are never read), so ids match
+  ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` exactly. The result is cached next to
+  the GGUF file in ``<stem>.tokenizer/`` (a ``tokenizer.json`` plus a small json with the special
+  ids and the chat template), keyed by the file's size and mtime; later loads only need the
+  ``tokenizers`` library and take a fraction of a second.
+* Hugging Face model directories (``tokenizer.json``, ``tokenizer_config.json``, ...), loaded
+  through ``AutoTokenizer`` when transformers is installed, else straight from ``tokenizer.json``.
+
+Decoding, encoding and chat rendering follow transformers' semantics, but at run time only
+``tokenizers`` and ``jinja2`` are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+__all__ = ["StreamDecoder", "Tokenizer", "TokenizerError"]
+
+logger = logging.getLogger(__name__)
+
+# Bump when the cache layout or the way it is built changes.
+_CACHE_FORMAT = 1
+_CACHE_TOKENIZER_FILE = "tokenizer.json"
+_CACHE_META_FILE = "speculant_tokenizer.json"
+
+# Tokens that end a turn/generation in common chat formats. llama.cpp treats the same set as
+# end-of-generation when the vocabulary has them as control tokens; we add them when they are
+# special (added) tokens of the vocabulary.
+_END_OF_TURN_TOKENS = (
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<end_of_utterance>",
+    "<|return|>",
+    "<|call|>",
+    "<EOT>",
+    "<|end\u2581of\u2581sentence|>",
+)
+
+# Attributes transformers exposes to chat templates as variables (special_tokens_map).
+_SPECIAL_TOKEN_ATTRS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+# Files whose presence means a directory carries a tokenizer.
+_HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+)
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TokenizerError(RuntimeError):
+    """A tokenizer could not be loaded or used."""
+
+
+class Tokenizer:
+    """Text <-> token ids, with transformers-compatible semantics.
+
+    Build with :meth:`from_gguf` or :meth:`from_hf_dir`.
+    """
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    unk_token_id: int | None
+    eos_token_ids: frozenset[int]
+    chat_template: str | None
+    special_tokens_map: dict[str, str]
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens_map: Mapping[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        clean_up_tokenization_spaces: bool = False,
+        source: str = "",
+    ) -> None:
+        backend.no_padding()
+        backend.no_truncation()
+        self._backend = backend
+        self.source = source
+        self.special_tokens_map = {
+            k: str(v) for k, v in (special_tokens_map or {}).items() if v is not None
+        }
+        self.chat_template = chat_template
+        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
+
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+        self.bos_token_id = self._special_id("bos_token")
+        self.eos_token_id = self._special_id("eos_token")
+        self.pad_token_id = self._special_id("pad_token")
+        self.unk_token_id = self._special_id("unk_token")
+
+        eos = {int(i) for i in eos_token_ids if 0 <= int(i) < self.vocab_size}
+        if self.eos_token_id is not None:
+            eos.add(self.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        self._fingerprint: str | None = None
+        self._template_lock = threading.Lock()
+        self._compiled_template: Any = None
+
+    # ------------------------------------------------------------------ basics
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+            f"bos_token_id={self.bos_token_id}, eos_token_ids={sorted(self.eos_token_ids)})"
+        )
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def _special_id(self, attr: str) -> int | None:
+        token = self.special_tokens_map.get(attr)
+        if token is None:
+            return None
+        return self._backend.token_to_id(token)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (what ``skip_special_tokens`` drops)."""
+        return frozenset(
+            i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; same as transformers' ``tokenizer.encode``."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        encs = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [list(e.ids) for e in encs]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; same as transformers' ``tokenizer.decode``."""
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces:
+            text = _clean_up_tokenization(text)
+        return text
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the full ordered vocabulary, id -> token string.
+
+        Two models can pair as target/draft only if their fingerprints are equal.
+        """
+        if self._fingerprint is None:
+            by_id: list[str | None] = [None] * self.vocab_size
+            for token, idx in self._backend.get_vocab(with_added_tokens=True).items():
+                by_id[idx] = token
+            blob = json.dumps(by_id, ensure_ascii=False, separators=(",", ":"))
+            self._fingerprint = hashlib.sha256(blob.encode("utf-8")).hexdigest()
+        return self._fingerprint
+
+    # ------------------------------------------------------------ chat template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` like transformers' ``apply_chat_template(..., tokenize=False)``.
+
+        Extra keyword arguments become template variables (e.g. ``enable_thinking=False``).
+        """
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise TokenizerError(f"{self.source or 'this tokenizer'} has no chat template")
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        if chat_template is None:
+            with self._template_lock:
+                if self._compiled_template is None:
+                    self._compiled_template = _compile_template(template)
+                compiled = self._compiled_template
+        else:
+            compiled = _compile_template(template)
+        chat = _alias_reasoning_fields(
+            [
+                {k: _plain(v) for k, v in m.items() if v is not None}
+                for m in _plain(list(messages))
+            ]
+        )
+        variables: dict[str, Any] = dict(self.special_tokens_map)
+        variables.update(_plain(kwargs))
+        rendered: str = compiled.render(
+            messages=chat,
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+        return rendered
+
+    # ----------------------------------------------------------------- loaders
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, *, use_cache: bool = True) -> Tokenizer:
+        """Tokenizer stored in a GGUF file's metadata (cached in ``<stem>.tokenizer/``)."""
+        path = Path(path)
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise TokenizerError(f"cannot read GGUF file {path}: {e}") from e
+        cache_dir = path.with_name(path.stem + ".tokenizer")
+        key = _cache_key(st)
+        if use_cache:
+            cached = _load_cache(cache_dir, key, source=str(path))
+            if cached is not None:
+                return cached
+        backend_json, meta = _convert_gguf(path)
+        if use_cache:
+            _write_cache(cache_dir, key, backend_json, meta)
+        return _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer | None:
+        """Tokenizer of a Hugging Face model directory, or None if it has no tokenizer files."""
+        path = Path(path)
+        if not path.is_dir() or not any((path / f).is_file() for f in _HF_TOKENIZER_FILES):
+            return None
+        extra_eos = _hf_config_eos_ids(path)
+        try:
+            hf_tok = _auto_tokenizer(str(path))
+        except ImportError:
+            hf_tok = None
+        if hf_tok is not None:
+            backend_json, meta = _meta_from_hf_tokenizer(hf_tok, extra_eos)
+            return _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
+        # No transformers: read tokenizer.json and tokenizer_config.json ourselves.
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise TokenizerError(
+                f"{path} has no tokenizer.json; transformers is needed to convert its tokenizer"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(tj))
+        cfg = _read_json(path / "tokenizer_config.json") or {}
+        special: dict[str, str] = {}
+        for attr in _SPECIAL_TOKEN_ATTRS:
+            tok = _token_content(cfg.get(attr))
+            if tok is not None:
+                special[attr] = tok
+        template = _pick_template(cfg.get("chat_template"))
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is None:
+            tj_cfg = _read_json(path / "chat_template.json") or {}
+            template = _pick_template(tj_cfg.get("chat_template"))
+        meta = {
+            "special_tokens_map": special,
+            "eos_token_ids": sorted(set(extra_eos) | set(_end_of_turn_ids(backend))),
+            "chat_template": template,
+            "clean_up_tokenization_spaces": bool(cfg.get("clean_up_tokenization_spaces", False))
+            and type(backend.model).__name__ != "BPE",
+        }
+        return _from_meta(backend, meta, source=str(path))
+
+
+class StreamDecoder:
+    """Incremental detokenizer for streaming output.
+
+    ``push`` returns the text completed by the new ids; text that would end in an incomplete UTF-8
+    sequence (decoded as U+FFFD) is held back until more ids arrive or ``flush`` is called. The
+    concatenation of everything ``push``/``flush`` return equals
+    ``tokenizer.decode(all_pushed_ids, skip_special_tokens=...)``.
+
+    ``prompt_ids`` are kept for reference only: the output is defined by the generated ids alone,
+    so the prompt does not change the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_ids = list(prompt_ids)
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = 0  # ids before this are already emitted
+        self._emitted: list[str] = []
+        self._emitted_len = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._emitted.append(text)
+            self._emitted_len += len(text)
+        return text
+
+    def push(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        self.ids.extend(int(i) for i in ids)
+        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""  # nothing new, or an incomplete UTF-8 sequence: wait for more ids
+        if not new_text.startswith(prefix_text):
+            # Not prefix-stable (rare: decoder clean-ups); the window text is authoritative.
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        return self._emit(new_text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """Everything not returned yet (including held-back incomplete characters)."""
+        full = self._decode(self.ids)
+        emitted = "".join(self._emitted)
+        self._emitted = [emitted]
+        self._prefix_offset = self._read_offset = len(self.ids)
+        if full.startswith(emitted):
+            return self._emit(full[len(emitted) :])
+        # Should not happen for the tokenizers we support; emit the window remainder instead.
+        logger.warning("stream decode diverged from full decode; output may differ slightly")
+        return ""
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far."""
+        return "".join(self._emitted)
+
+
+# ====================================================================== helpers
+
+
+def _clean_up_tokenization(text: str) -> str:
+    # transformers' PreTrainedTokenizerBase.clean_up_tokenization
+    return (
+        text.replace(" .", ".")
+        .replace(" ?", "?")
+        .replace(" !", "!")
+        .replace(" ,", ",")
+        .replace(" ' ", "'")
+        .replace(" n't", "n't")
+        .replace(" 'm", "'m")
+        .replace(" 's", "'s")
+        .replace(" 've", "'ve")
+        .replace(" 're", "'re")
+    )
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild template inputs from plain JSON types (as transformers does for the sandbox)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+def _alias_reasoning_fields(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for message in chat:
+        reasoning = next(
+            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+        )
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _compile_template(template: str) -> Any:
+    """Compile a chat template in a sandboxed jinja2 env configured like transformers'."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _GenerationTag(jinja2.ext.Extension):
+        # `{% generation %}...{% endgeneration %}` marks assistant text; we only render it.
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_render", [], [])
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _render(self, caller: Any) -> str:
+            return str(caller())
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    class _TemplateDict:
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args, **kwargs)
+
+    class _Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja's signature trick)
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                _Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot set underscore attributes on a namespace: {name!r}"
+                )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _Namespace
+    return env.from_string(template)
+
+
+def _pick_template(value: Any, tools: bool = False) -> str | None:
+    """A template string from a ``chat_template`` config value (str or list of named ones)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        named = {str(k): str(v) for k, v in value.items()}
+    elif isinstance(value, list):
+        named = {
+            str(t.get("name")): str(t.get("template"))
+            for t in value
+            if isinstance(t, Mapping) and "template" in t
+        }
+    else:
+        return None
+    if tools and "tool_use" in named:
+        return named["tool_use"]
+    if "default" in named:
+        return named["default"]
+    return next(iter(named.values()), None)
+
+
+def _token_content(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and "content" in value:
+        return str(value["content"])
+    content = getattr(value, "content", None)
+    return str(content) if content is not None else str(value)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _hf_config_eos_ids(path: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json(path / name) or {}
+        ids += _as_id_list(cfg.get("eos_token_id"))
+        text_cfg = cfg.get("text_config")
+        if isinstance(text_cfg, dict):
+            ids += _as_id_list(text_cfg.get("eos_token_id"))
+    return ids
+
+
+def _end_of_turn_ids(backend: tokenizers.Tokenizer) -> list[int]:
+    """Ids of well-known end-of-turn tokens that are special tokens of this vocabulary."""
+    special = {
+        tok.content: i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
+    }
+    return [special[t] for t in _END_OF_TURN_TOKENS if t in special]
+
+
+def _from_meta(backend: tokenizers.Tokenizer, meta: Mapping[str, Any], source: str) -> Tokenizer:
+    return Tokenizer(
+        backend,
+        special_tokens_map=meta.get("special_tokens_map") or {},
+        eos_token_ids=meta.get("eos_token_ids") or (),
+        chat_template=meta.get("chat_template"),
+        clean_up_tokenization_spaces=bool(meta.get("clean_up_tokenization_spaces", False)),
+        source=source,
+    )
+
+
+# ------------------------------------------------------------ transformers route
+
+
+def _auto_tokenizer(path: str, gguf_file: str | None = None) -> Any:
+    """``AutoTokenizer.from_pretrained`` for a local dir (raises ImportError without it)."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _meta_from_hf_tokenizer(hf_tok: Any, extra_eos: Sequence[int]) -> tuple[str, dict[str, Any]]:
+    """(tokenizer.json text, meta) from a transformers fast tokenizer."""
+    backend = getattr(hf_tok, "backend_tokenizer", None)
+    if backend is None:
+        raise TokenizerError(f"{type(hf_tok).__name__} is not backed by a `tokenizers` tokenizer")
+    backend_json: str = backend.to_str()
+    special = {
+        attr: str(v) for attr, v in dict(hf_tok.special_tokens_map).items() if isinstance(v, str)
+    }
+    clean_up = bool(getattr(hf_tok, "clean_up_tokenization_spaces", False))
+    if clean_up and type(backend.model).__name__ == "BPE":
+        # transformers ignores the clean-up for BPE models unless forced
+        clean_up = bool(
+            getattr(
+                hf_tok,
+                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                False,
+            )
+        )
+    template = hf_tok.chat_template
+    if not isinstance(template, str):
+        template = _pick_template(template)
+    eos = list(extra_eos) + list(_end_of_turn_ids(backend))
+    if hf_tok.eos_token_id is not None:
+        eos.append(int(hf_tok.eos_token_id))
+    meta: dict[str, Any] = {
+        "special_tokens_map": special,
+        "eos_token_ids": sorted(set(eos)),
+        "chat_template": template,
+        "clean_up_tokenization_spaces": clean_up,
+    }
+    return backend_json, meta
+
+
+def _convert_gguf(path: Path) -> tuple[str, dict[str, Any]]:
+    """Convert a GGUF file's tokenizer with transformers (metadata only)."""
+    md = read_gguf_metadata(path)
+    if "tokenizer.ggml.tokens" not in md:
+        raise TokenizerError(f"{path} has no tokenizer in its metadata")
+    extra_eos: list[int] = []
+    for key in (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ):
+        extra_eos += _as_id_list(md.get(key))
+    # Load from a private dir holding only a link to the file, so that stray config or tokenizer
+    # files next to the GGUF cannot leak into the conversion.
+    with tempfile.TemporaryDirectory(prefix="speculant-gguf-") as tmp:
+        link = Path(tmp) / path.name
+        try:
+            os.symlink(path.resolve(), link)
+            where, name = tmp, path.name
+        except OSError:
+            where, name = str(path.parent), path.name
+        try:
+            hf_tok = _auto_tokenizer(where, gguf_file=name)
+        except ImportError as e:
+            raise TokenizerError(
+                "transformers is needed to convert a GGUF tokenizer the first time"
+            ) from e
+    backend_json, meta = _meta_from_hf_tokenizer(hf_tok, extra_eos)
+    if meta["chat_template"] is None and isinstance(md.get("tokenizer.chat_template"), str):
+        meta["chat_template"] = md["tokenizer.chat_template"]
+    return backend_json, meta
+
+
+# --------------------------------------------------------------------- cache
+
+
+def _cache_key(st: os.stat_result) -> dict[str, Any]:
+    try:
+        tf_version = importlib_metadata.version("transformers")
+    except importlib_metadata.PackageNotFoundError:
+        tf_version = None
+    return {
+        "format": _CACHE_FORMAT,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "transformers": tf_version,
+    }
+
+
+def _load_cache(cache_dir: Path, key: Mapping[str, Any], source: str) -> Tokenizer | None:
+    meta = _read_json(cache_dir / _CACHE_META_FILE)
+    if meta is None or meta.get("key") != dict(key):
+        return None
+    try:
+        data = (cache_dir / _CACHE_TOKENIZER_FILE).read_bytes()
+        if hashlib.sha256(data).hexdigest() != meta.get("tokenizer_sha256"):
+            return None
+        backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # corrupt cache: rebuild
+        logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, e)
+        return None
+    return _from_meta(backend, meta, source=source)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_cache(
+    cache_dir: Path, key: Mapping[str, Any], backend_json: str, meta: Mapping[str, Any]
+) -> None:
+    data = backend_json.encode("utf-8")
+    full_meta = dict(meta)
+    full_meta["key"] = dict(key)
+    full_meta["tokenizer_sha256"] = hashlib.sha256(data).hexdigest()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        # tokenizer.json first, then the meta that vouches for it (by hash): a reader never
+        # accepts a half-written or mismatched pair.
+        _atomic_write(cache_dir / _CACHE_TOKENIZER_FILE, data)
+        meta_blob = json.dumps(full_meta, ensure_ascii=False, indent=1).encode("utf-8")
+        _atomic_write(cache_dir / _CACHE_META_FILE, meta_blob)
+    except OSError as e:
+        logger.warning("could not write tokenizer cache %s: %s", cache_dir, e)
+
+
+# ----------------------------------------------------------- GGUF metadata
+
+
+_GGUF_SCALARS: dict[int, tuple[str, int]] = {
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+
+
+def read_gguf_metadata(path: str | Path, string_arrays: bool = False) -> dict[str, Any]:
+    """The key/value metadata of a GGUF file (v2/v3), without touching tensor data.
+
+    Numeric arrays are returned as lists; string arrays as lists when ``string_arrays`` is set,
+    else as their length (an int).
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise TokenizerError(f"{path} is not a GGUF file")
+        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise TokenizerError(f"{path}: unsupported GGUF version {version}")
+        pos = 24
+
+        def read_str(p: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, p)
+            p += 8
+            return buf[p : p + n].decode("utf-8", errors="replace"), p + n
+
+        def read_value(p: int, vtype: int) -> tuple[Any, int]:
+            if vtype in _GGUF_SCALARS:
+                fmt, width = _GGUF_SCALARS[vtype]
+                return struct.unpack_from(fmt, buf, p)[0], p + width
+            if vtype == _GGUF_STRING:
+                return read_str(p)
+            if vtype == _GGUF_ARRAY:
+                etype, count = struct.unpack_from("<IQ", buf, p)
+                p += 12
+                if etype in _GGUF_SCALARS:
+                    fmt, width = _GGUF_SCALARS[etype]
+                    vals = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, p))
+                    return vals, p + count * width
+                if etype == _GGUF_STRING:
+                    out: list[str] = []
+                    for _ in range(count):
+                        (n,) = struct.unpack_from("<Q", buf, p)
+                        if string_arrays:
+                            out.append(buf[p + 8 : p + 8 + n].decode("utf-8", errors="replace"))
+                        p += 8 + n
+                    return (out if string_arrays else count), p
+                items = []
+                for _ in range(count):
+                    v, p = read_value(p, etype)
+                    items.append(v)
+                return items, p
+            raise TokenizerError(f"{path}: unknown GGUF value type {vtype}")
+
+        result: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, pos = read_str(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            result[key], pos = read_value(pos + 4, vtype)
+        return result

@@ -1,0 +1,95 @@
+"""The lossless accept / resample / bonus rule (Leviathan et al. 2023; Chen et al. 2023).
+
+For draft token x drawn from q and target distribution p at the same position:
+accept with probability min(1, p(x) / q(x)); at the first rejection emit a token drawn
+from normalize(max(0, p - q)) and stop; if all k drafts are accepted emit a bonus token
+drawn from the target's next distribution. The emitted sequence is distributed exactly
+as if drawn from p token by token.
+
+A proposer with no distribution (prompt lookup, suffix matching: deterministic drafts)
+is a point mass q = one_hot(x). The rule still applies unchanged: accept with p(x),
+and on rejection draw from p with x removed and renormalised. Lossless either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from speculant.sampling import sample
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one chain of drafts.
+
+    num_accepted: how many leading drafts were kept (0..k).
+    token_ids: the accepted drafts followed by exactly one new token (the resampled
+        correction, or the bonus when all k were accepted): length num_accepted + 1.
+    """
+
+    num_accepted: int
+    token_ids: list[int]
+
+
+def verify_chain(
+    draft_ids: Sequence[int],
+    q_draft: Tensor | None,
+    p_target: Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Apply the lossless rule to one chain.
+
+    draft_ids: k drafted tokens.
+    q_draft: [k, vocab_q] the distributions the drafts were sampled from (after the same
+        temperature / top-k / top-p as p), or None for deterministic drafts (point mass).
+        vocab_q may be smaller than the target's vocab (missing ids have q = 0).
+    p_target: [k + 1, vocab] processed target distributions; row i scores draft i,
+        row k gives the bonus distribution.
+    """
+    k = len(draft_ids)
+    if p_target.shape[0] != k + 1:
+        raise ValueError(f"p_target has {p_target.shape[0]} rows, expected k + 1 = {k + 1}")
+    if k == 0:
+        return Verdict(0, [int(sample(p_target[:1], generator)[0])])
+    vocab = p_target.shape[-1]
+    drafts = torch.tensor(list(draft_ids), dtype=torch.long)  # [k]
+    p_at = p_target[:k].gather(-1, drafts[:, None]).squeeze(-1)  # [k]
+    if q_draft is None:
+        q_rows = None
+        q_at = torch.ones(k)
+    else:
+        q_rows = _pad_vocab(q_draft.float(), vocab)  # [k, vocab]
+        q_at = q_rows.gather(-1, drafts[:, None]).squeeze(-1)  # [k]
+    # u < p/q  <=>  u * q < p; a draft with q(x) = 0 cannot have been sampled.
+    u = torch.rand(k, generator=generator)  # [k]
+    accepted = (u * q_at < p_at).tolist()
+    n = 0
+    while n < k and accepted[n]:
+        n += 1
+    kept = [int(t) for t in draft_ids[:n]]
+    if n == k:
+        return Verdict(k, kept + [int(sample(p_target[k : k + 1], generator)[0])])
+    if q_rows is None:
+        residual = p_target[n].clone()
+        residual[drafts[n]] = 0.0
+    else:
+        residual = (p_target[n] - q_rows[n]).clamp_min(0.0)
+    total = residual.sum()
+    if total <= 0:  # only reachable through rounding when p == q; p is then the answer
+        residual = p_target[n]
+        total = residual.sum()
+    fix = sample((residual / total)[None], generator)
+    return Verdict(n, kept + [int(fix[0])])
+
+
+def _pad_vocab(q: Tensor, vocab: int) -> Tensor:
+    """q: [k, vocab_q] -> [k, vocab] with zeros for ids the draft cannot emit."""
+    if q.shape[-1] == vocab:
+        return q
+    if q.shape[-1] > vocab:
+        raise ValueError(f"draft vocab {q.shape[-1]} is larger than the target vocab {vocab}")
+    return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
