@@ -11,6 +11,11 @@ import torch
 from torch import Tensor
 
 
+# Attention reads keys in whole blocks of this many positions (see decoder: reductions
+# over a fixed-size, zero-padded row keep results independent of the pass's length).
+KEY_BLOCK = 64
+
+
 class CacheFullError(RuntimeError):
     """A write would go past the cache's capacity."""
 
@@ -18,9 +23,10 @@ class CacheFullError(RuntimeError):
 class KVCache:
     """Keys and values for every layer of one sequence.
 
-    k, v: [n_layers, 1, n_kv_heads, capacity + slack, head_dim]. `slack` rows past the
-    capacity absorb the padding rows of a forward (see Transformer.min_rows), so a
-    padded pass at the very end of the context never writes out of bounds.
+    k, v: [n_layers, 1, n_kv_heads, rows, head_dim], rows >= capacity + slack rounded up
+    to KEY_BLOCK. The slack absorbs the padding rows of a forward (decoder.padded_rows),
+    so a padded pass at the very end of the context never writes out of bounds. Rows
+    never written stay zero (finite), so masked keys contribute exact zeros.
     """
 
     def __init__(
@@ -34,17 +40,19 @@ class KVCache:
     ) -> None:
         if capacity < 1:
             raise ValueError(f"cache capacity={capacity} must be >= 1")
-        shape = (n_layers, 1, n_kv_heads, capacity + slack, head_dim)
+        # Rows rounded up to KEY_BLOCK so attention can always read whole blocks.
+        rows = -(-(capacity + slack) // KEY_BLOCK) * KEY_BLOCK
+        shape = (n_layers, 1, n_kv_heads, rows, head_dim)
         self.k: Tensor = torch.zeros(shape, dtype=dtype)
         self.v: Tensor = torch.zeros(shape, dtype=dtype)
         self.capacity = capacity
-        self.slack = slack
+        self.rows = rows
         self.length = 0  # number of valid positions, [0, length)
 
     def write(self, layer: int, start: int, k_new: Tensor, v_new: Tensor) -> None:
         """k_new, v_new: [1, n_kv_heads, t, head_dim] for positions start .. start+t-1."""
         t = k_new.shape[2]
-        if start + t > self.capacity + self.slack:
+        if start + t > self.rows:
             raise CacheFullError(
                 f"writing positions {start}..{start + t - 1} exceeds the cache capacity "
                 f"{self.capacity}"
@@ -52,9 +60,13 @@ class KVCache:
         self.k[layer, :, :, start : start + t] = k_new
         self.v[layer, :, :, start : start + t] = v_new
 
-    def view(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        """Keys and values of positions [0, end): each [1, n_kv_heads, end, head_dim]."""
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def key_span(self, end: int) -> int:
+        """How many positions attention reads to see [0, end): end rounded up to a block."""
+        return min(-(-end // KEY_BLOCK) * KEY_BLOCK, self.rows)
+
+    def view(self, layer: int, span: int) -> tuple[Tensor, Tensor]:
+        """Keys and values of positions [0, span): each [1, n_kv_heads, span, head_dim]."""
+        return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
 
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` positions (the only rollback operation)."""

@@ -4,11 +4,13 @@ Weights live in plain tensors (no autograd, no nn.Module machinery): the loaders
 `Weights` object, and `Transformer.forward` runs T new tokens at positions
 start .. start+T-1 against a `KVCache`.
 
-Numerics: CPU matmul kernels differ by row count (bf16: 1 row vs >= 2 rows; fp32: < 4
-rows vs >= 4). A verify pass over k+1 rows and a plain step over 1 row would then round
-differently and a near-tie argmax could flip, making greedy speculative output drift
-from plain output. Every pass is therefore padded to at least `min_rows` rows, so all
-passes take the same kernel family and agree bitwise.
+Numerics: CPU matmul kernels round differently by row count (bf16: 1 row vs >= 2 rows;
+fp32: rows inside a full tile of 4 vs a partial tile), and PyTorch's fused attention
+rounds differently by key length. A verify pass over k+1 rows and a plain step over one
+row would then disagree in the last bits and a near-tie argmax could flip, making greedy
+speculative output drift from plain output. So every pass is padded to a row count the
+kernels treat alike (`padded_rows`), and attention is written as two matmuls whose
+masked tail contributes exact zeros. Tests check the resulting bitwise invariance.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from torch import Tensor
 from speculant.cache import KVCache
 from speculant.models.config import ModelConfig
 
-MIN_ROWS = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+# Row padding per dtype: (minimum rows, row multiple). See the module docstring.
+ROW_PADDING = {torch.float32: (4, 4), torch.bfloat16: (2, 1), torch.float16: (2, 1)}
+
+
+def padded_rows(n: int, dtype: torch.dtype) -> int:
+    least, multiple = ROW_PADDING.get(dtype, (1, 1))
+    n = max(n, least)
+    return -(-n // multiple) * multiple
 
 
 @dataclass
@@ -93,7 +102,6 @@ class Transformer:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.min_rows = MIN_ROWS.get(dtype, 1)
         n_pos = config.max_seq_len + 16
         self._rope_full = rope_tables(
             config.head_dim, config.rope_theta, n_pos, config.rope_scaling_factor
@@ -128,18 +136,19 @@ class Transformer:
             raise ValueError(
                 f"positions up to {start + n_real} exceed the context capacity {cache.capacity}"
             )
-        if n_real < self.min_rows:  # same-kernel padding, see the module docstring
-            pad = tokens.new_zeros(self.min_rows - n_real)
-            tokens = torch.cat([tokens, pad])
+        n_pad = padded_rows(n_real, self.dtype) - n_real
+        if n_pad:  # same-kernel padding, see the module docstring
+            tokens = torch.cat([tokens, tokens.new_zeros(n_pad)])
         t = tokens.shape[0]
         end = start + t
         w = self.weights
         x = F.embedding(tokens, w.tok_embeddings)  # [T, dim]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=self.dtype)
+        span = cache.key_span(end)  # keys read by attention, block-rounded
         q_pos = torch.arange(start, end)
-        k_pos = torch.arange(end)
-        causal = k_pos[None, :] <= q_pos[:, None]  # [T, end]
+        k_pos = torch.arange(span)
+        causal = k_pos[None, :] <= q_pos[:, None]  # [T, span]
         window = (
             causal & (q_pos[:, None] - k_pos[None, :] < c.sliding_window)
             if c.sliding_window
@@ -196,11 +205,15 @@ class Transformer:
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         cache.write(layer, start, k, v)
-        keys, values = cache.view(layer, start + t)  # [1, nkv, start+T, hd]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=c.scale, enable_gqa=nkv != nh
-        )  # [1, nh, T, hd]
-        out = out[0].transpose(0, 1).reshape(t, nh * hd)
+        keys, values = cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
+        rep = nh // nkv
+        # Query heads grouped under their kv head: no copy of the keys for GQA.
+        qg = q[0].reshape(nkv, rep * t, hd)  # [nkv, rep*T, hd]
+        scores = torch.matmul(qg, keys[0].transpose(1, 2)) * c.scale  # [nkv, rep*T, span]
+        scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
+        probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
+        out = torch.matmul(probs, values[0])  # [nkv, rep*T, hd]
+        out = out.view(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)
         return F.linear(out, lw.wo)
 
     def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import Tensor
 
 from speculant.models.config import ModelConfig
 from speculant.models.decoder import LayerWeights, Weights
+from speculant.models.gguf_file import GGUFError, GGUFIndex, read_gguf
 
 
 class ModelLoadError(ValueError):
@@ -247,22 +247,17 @@ _GGUF_NAMES = {
 }
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def config_from_gguf(reader: Any, has_output: bool) -> ModelConfig:
-    arch = gguf_field(reader, "general.architecture")
+def config_from_gguf(index: GGUFIndex) -> ModelConfig:
+    meta = index.metadata
+    has_output = "output.weight" in index.tensors
+    arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "gemma3"):
         raise ModelLoadError(
             f"GGUF architecture {arch!r} is not supported: use llama, qwen2 or gemma3"
         )
 
     def f(key: str, default: Any = None) -> Any:
-        value = gguf_field(reader, f"{arch}.{key}", default)
+        value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"GGUF metadata {arch}.{key} is missing")
         return value
@@ -272,7 +267,9 @@ def config_from_gguf(reader: Any, has_output: bool) -> ModelConfig:
     n_kv = f("attention.head_count_kv", n_heads)
     head_dim = int(f("attention.key_length", dim // n_heads))
     n_layers = int(f("block_count"))
-    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    if "token_embd.weight" not in index.tensors:
+        raise ModelLoadError(f"{index.path}: tensor token_embd.weight is missing")
+    emb = index.tensors["token_embd.weight"]
     common: dict[str, Any] = dict(
         arch=arch,
         vocab_size=int(emb.shape[-1]),  # gguf shapes are (in, out)
@@ -286,7 +283,7 @@ def config_from_gguf(reader: Any, has_output: bool) -> ModelConfig:
         max_seq_len=int(f("context_length", 4096)),
         tie_embeddings=not has_output,
     )
-    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     factor = 1.0
     if scaling_type == "linear":
         factor = float(f("rope.scaling.factor", 1.0))
@@ -295,7 +292,7 @@ def config_from_gguf(reader: Any, has_output: bool) -> ModelConfig:
     theta = float(f("rope.freq_base", 10000.0))
     if arch == "gemma3":
         # llama.cpp's gemma3 conventions: every 6th layer is global, local rope base 10k.
-        pattern = int(gguf_field(reader, "gemma3.attention.sliding_window_pattern", 6) or 6)
+        pattern = int(meta.get("gemma3.attention.sliding_window_pattern", 6) or 6)
         return ModelConfig(
             **common,
             rope_theta=theta,
@@ -322,40 +319,31 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-@contextmanager
-def _gguf_reader(path: Path) -> Iterator[Any]:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises assorted errors on bad files
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-    yield reader
-
-
 def load_gguf(
     path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
 ) -> tuple[ModelConfig, Weights]:
     from gguf.quants import dequantize
 
-    with _gguf_reader(path) as reader:
-        tensors = {t.name: t for t in reader.tensors}
-        config = config_from_gguf(reader, has_output="output.weight" in tensors)
-        done = [0]
+    try:
+        index = read_gguf(path)
+    except GGUFError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    config = config_from_gguf(index)
+    done = [0]
 
-        def get(name: str) -> Tensor | None:
-            t = tensors.get(name)
-            if t is None:
-                return None
-            arr = dequantize(t.data, t.tensor_type)
-            shape = tuple(int(s) for s in reversed(t.shape))  # gguf lists (in, out)
-            out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
-            if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = config.n_heads if "attn_q" in name else config.n_kv_heads
-                out = _unpermute_rope(out, heads)
-            done[0] += 1
-            if progress is not None:
-                progress(done[0], len(tensors))
-            return out
+    def get(name: str) -> Tensor | None:
+        info = index.tensors.get(name)
+        if info is None:
+            return None
+        arr = dequantize(index.raw(name), info.ggml_type)
+        shape = tuple(reversed(info.shape))  # gguf lists (in, out)
+        out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+        if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.n_heads if "attn_q" in name else config.n_kv_heads
+            out = _unpermute_rope(out, heads)
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(index.tensors))
+        return out
 
-        return config, _assemble(config, get, _GGUF_NAMES, dtype)
+    return config, _assemble(config, get, _GGUF_NAMES, dtype)

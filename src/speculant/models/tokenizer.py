@@ -41,7 +41,7 @@ __all__ = ["StreamDecoder", "Tokenizer", "TokenizerError"]
 logger = logging.getLogger(__name__)
 
 # Bump when the cache layout or the way it is built changes.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 _CACHE_TOKENIZER_FILE = "tokenizer.json"
 _CACHE_META_FILE = "speculant_tokenizer.json"
 
@@ -115,6 +115,8 @@ class Tokenizer:
         chat_template: str | None = None,
         clean_up_tokenization_spaces: bool = False,
         source: str = "",
+        vocab_size: int | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         backend.no_padding()
         backend.no_truncation()
@@ -126,8 +128,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
 
-        vocab = backend.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values(), default=-1) + 1
+        if vocab_size is None:
+            vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.vocab_size = int(vocab_size)
         self.bos_token_id = self._special_id("bos_token")
         self.eos_token_id = self._special_id("eos_token")
         self.pad_token_id = self._special_id("pad_token")
@@ -138,7 +141,7 @@ class Tokenizer:
             eos.add(self.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
-        self._fingerprint: str | None = None
+        self._fingerprint: str | None = fingerprint
         self._template_lock = threading.Lock()
         self._compiled_template: Any = None
 
@@ -236,10 +239,7 @@ class Tokenizer:
         else:
             compiled = _compile_template(template)
         chat = _alias_reasoning_fields(
-            [
-                {k: _plain(v) for k, v in m.items() if v is not None}
-                for m in _plain(list(messages))
-            ]
+            [{k: _plain(v) for k, v in m.items() if v is not None} for m in _plain(list(messages))]
         )
         variables: dict[str, Any] = dict(self.special_tokens_map)
         variables.update(_plain(kwargs))
@@ -269,9 +269,10 @@ class Tokenizer:
             if cached is not None:
                 return cached
         backend_json, meta = _convert_gguf(path)
+        tok = _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
         if use_cache:
-            _write_cache(cache_dir, key, backend_json, meta)
-        return _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
+            _write_cache(cache_dir, key, backend_json, meta, tok)
+        return tok
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -284,36 +285,15 @@ class Tokenizer:
             hf_tok = _auto_tokenizer(str(path))
         except ImportError:
             hf_tok = None
+        except Exception as e:
+            if not (path / "tokenizer.json").is_file():
+                raise TokenizerError(f"cannot load the tokenizer of {path}: {e}") from e
+            logger.warning("transformers could not load %s (%s); using tokenizer.json", path, e)
+            hf_tok = None
         if hf_tok is not None:
             backend_json, meta = _meta_from_hf_tokenizer(hf_tok, extra_eos)
             return _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
-        # No transformers: read tokenizer.json and tokenizer_config.json ourselves.
-        tj = path / "tokenizer.json"
-        if not tj.is_file():
-            raise TokenizerError(
-                f"{path} has no tokenizer.json; transformers is needed to convert its tokenizer"
-            )
-        backend = tokenizers.Tokenizer.from_file(str(tj))
-        cfg = _read_json(path / "tokenizer_config.json") or {}
-        special: dict[str, str] = {}
-        for attr in _SPECIAL_TOKEN_ATTRS:
-            tok = _token_content(cfg.get(attr))
-            if tok is not None:
-                special[attr] = tok
-        template = _pick_template(cfg.get("chat_template"))
-        if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        if template is None:
-            tj_cfg = _read_json(path / "chat_template.json") or {}
-            template = _pick_template(tj_cfg.get("chat_template"))
-        meta = {
-            "special_tokens_map": special,
-            "eos_token_ids": sorted(set(extra_eos) | set(_end_of_turn_ids(backend))),
-            "chat_template": template,
-            "clean_up_tokenization_spaces": bool(cfg.get("clean_up_tokenization_spaces", False))
-            and type(backend.model).__name__ != "BPE",
-        }
-        return _from_meta(backend, meta, source=str(path))
+        return _hf_dir_without_transformers(path, extra_eos)
 
 
 class StreamDecoder:
@@ -342,7 +322,6 @@ class StreamDecoder:
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = 0  # ids before this are already emitted
         self._emitted: list[str] = []
-        self._emitted_len = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -350,7 +329,6 @@ class StreamDecoder:
     def _emit(self, text: str) -> str:
         if text:
             self._emitted.append(text)
-            self._emitted_len += len(text)
         return text
 
     def push(self, ids: Sequence[int]) -> str:
@@ -591,7 +569,39 @@ def _from_meta(backend: tokenizers.Tokenizer, meta: Mapping[str, Any], source: s
         chat_template=meta.get("chat_template"),
         clean_up_tokenization_spaces=bool(meta.get("clean_up_tokenization_spaces", False)),
         source=source,
+        vocab_size=meta.get("vocab_size"),
+        fingerprint=meta.get("fingerprint"),
     )
+
+
+def _hf_dir_without_transformers(path: Path, extra_eos: Sequence[int]) -> Tokenizer:
+    """Load ``tokenizer.json`` + ``tokenizer_config.json`` without transformers (fallback)."""
+    tj = path / "tokenizer.json"
+    if not tj.is_file():
+        raise TokenizerError(
+            f"{path} has no tokenizer.json; transformers is needed to convert its tokenizer"
+        )
+    backend = tokenizers.Tokenizer.from_file(str(tj))
+    cfg = _read_json(path / "tokenizer_config.json") or {}
+    special: dict[str, str] = {}
+    for attr in _SPECIAL_TOKEN_ATTRS:
+        tok = _token_content(cfg.get(attr))
+        if tok is not None:
+            special[attr] = tok
+    template = _pick_template(cfg.get("chat_template"))
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is None:
+        tj_cfg = _read_json(path / "chat_template.json") or {}
+        template = _pick_template(tj_cfg.get("chat_template"))
+    meta = {
+        "special_tokens_map": special,
+        "eos_token_ids": sorted(set(extra_eos) | set(_end_of_turn_ids(backend))),
+        "chat_template": template,
+        "clean_up_tokenization_spaces": bool(cfg.get("clean_up_tokenization_spaces", False))
+        and type(backend.model).__name__ != "BPE",
+    }
+    return _from_meta(backend, meta, source=str(path))
 
 
 # ------------------------------------------------------------ transformers route
@@ -716,6 +726,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -724,10 +735,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def _write_cache(
-    cache_dir: Path, key: Mapping[str, Any], backend_json: str, meta: Mapping[str, Any]
+    cache_dir: Path,
+    key: Mapping[str, Any],
+    backend_json: str,
+    meta: Mapping[str, Any],
+    tok: Tokenizer | None = None,
 ) -> None:
     data = backend_json.encode("utf-8")
     full_meta = dict(meta)
+    if tok is not None:
+        full_meta["vocab_size"] = tok.vocab_size
+        full_meta["fingerprint"] = tok.fingerprint()
     full_meta["key"] = dict(key)
     full_meta["tokenizer_sha256"] = hashlib.sha256(data).hexdigest()
     try:

@@ -1,0 +1,120 @@
+"""The one proposer protocol every drafting method implements, and a registry of them.
+
+The engine only ever calls `begin`, `propose` and `end`; it never asks which method it
+is talking to. A proposer may return fewer drafts than asked (none, even): the engine
+then verifies what it got, and a zero-length draft is simply a plain decoding step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import Tensor
+
+from speculant.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from speculant.models.model import Model
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Drafted continuation of the committed tokens.
+
+    token_ids: k' <= k drafted ids.
+    q_probs: [k', vocab_q] the processed distributions the drafts were sampled from, or
+        None when drafts are deterministic (a point mass: prompt lookup, suffix match).
+    """
+
+    token_ids: list[int]
+    q_probs: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.q_probs is not None and self.q_probs.shape[0] != len(self.token_ids):
+            raise ValueError(
+                f"q_probs has {self.q_probs.shape[0]} rows for {len(self.token_ids)} drafts"
+            )
+
+
+EMPTY_DRAFT = Draft([])
+
+
+class Proposer(Protocol):
+    """Drafts tokens for the target to verify.
+
+    begin: a request starts; `prompt_ids` is its prompt, `capacity` the most positions
+        the request can reach (prompt + new tokens).
+    propose: `context` is every committed token so far (prompt + accepted output); draft
+        up to k tokens that follow it, sampling from the processed q under `params` with
+        `generator` when the proposer is stochastic. The proposer brings its own state in
+        step with `context` itself (rolling back what the target rejected).
+    end: the request is over; release per-request state.
+    """
+
+    name: str
+
+    def begin(self, prompt_ids: Sequence[int], capacity: int) -> None: ...
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft: ...
+
+    def end(self) -> None: ...
+
+
+class NoProposer:
+    """Plain decoding: never drafts, so every step is one target forward, one token."""
+
+    name = "none"
+
+    def begin(self, prompt_ids: Sequence[int], capacity: int) -> None:
+        return None
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft:
+        return EMPTY_DRAFT
+
+    def end(self) -> None:
+        return None
+
+
+ProposerFactory = Callable[..., Proposer]
+_REGISTRY: dict[str, ProposerFactory] = {}
+
+
+def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Class decorator: make a proposer available under `name` (CLI --method)."""
+
+    def deco(factory: ProposerFactory) -> ProposerFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def available_methods() -> list[str]:
+    return ["none", *sorted(_REGISTRY)]
+
+
+def make_proposer(
+    method: str, target: Model, draft: Model | None = None, **options: Any
+) -> Proposer:
+    """Build the proposer registered as `method` for `target` (and `draft` if it needs one)."""
+    if method == "none":
+        return NoProposer()
+    factory = _REGISTRY.get(method)
+    if factory is None:
+        raise ValueError(f"unknown method {method!r}: use one of {', '.join(available_methods())}")
+    return factory(target=target, draft=draft, **options)

@@ -1,0 +1,112 @@
+"""A separate, smaller model of the same family drafts autoregressively.
+
+It keeps its own KV cache and the list of ids that cache holds. Each `propose` first
+brings the cache in step with the committed context: the common prefix with what it
+holds stays, the rest (rejected drafts) is rolled back with one truncate, and the
+missing committed tokens are fed. Then it samples k tokens from its processed q.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from speculant.cache import KVCache
+from speculant.proposers.base import Draft, register
+from speculant.sampling import SamplingParams, process_logits, sample
+
+if TYPE_CHECKING:
+    from speculant.models.model import Model
+
+
+class TokenizerMismatchError(ValueError):
+    """Target and draft do not share a tokenizer, so draft ids mean nothing to the target."""
+
+
+def check_pairing(target: Model, draft: Model) -> None:
+    """Refuse a draft whose token ids do not mean the same text as the target's."""
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is None and dt is None:
+        same = draft.vocab_size == target.vocab_size
+        detail = f"vocab sizes {draft.vocab_size} vs {target.vocab_size}"
+    elif tt is None or dt is None:
+        same = False
+        detail = "only one of them has a tokenizer"
+    else:
+        same = tt.fingerprint() == dt.fingerprint()
+        detail = f"vocabularies differ ({dt.vocab_size} vs {tt.vocab_size} tokens)"
+    if not same:
+        raise TokenizerMismatchError(
+            f"draft {draft.name!r} cannot draft for target {target.name!r}: {detail}. "
+            "Use a draft of the same model family with the same tokenizer "
+            "(for example qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), "
+            "or a draft-free method."
+        )
+    if draft.vocab_size > target.vocab_size:
+        raise TokenizerMismatchError(
+            f"draft {draft.name!r} has {draft.vocab_size} logits, more than the target's "
+            f"{target.vocab_size}"
+        )
+
+
+@register("draft")
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, target: Model, draft: Model | None = None, **_: Any) -> None:
+        if draft is None:
+            raise ValueError("method 'draft' needs a draft model (--draft NAME)")
+        check_pairing(target, draft)
+        self.model = draft
+        self._cache: KVCache | None = None
+        self._cached_ids: list[int] = []  # ids whose keys/values are in the cache, in order
+
+    def begin(self, prompt_ids: Sequence[int], capacity: int) -> None:
+        # Room for the context plus the drafts fed after it.
+        self._cache = self.model.new_cache(capacity + 16)
+        self._cached_ids = []
+
+    def end(self) -> None:
+        self._cache = None
+        self._cached_ids = []
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Make the cache hold context[:-1] and feed context[-1]: its logits [vocab]."""
+        assert self._cache is not None, "begin() was not called"
+        keep = 0
+        limit = min(len(self._cached_ids), len(context) - 1)
+        while keep < limit and self._cached_ids[keep] == context[keep]:
+            keep += 1
+        self._cache.truncate(keep)  # roll back rejected drafts
+        del self._cached_ids[keep:]
+        missing = list(context[keep:])  # at least the last token
+        if len(missing) > 1:
+            self.model.prefill(missing[:-1], self._cache, keep)
+        logits = self.model.forward(missing[-1:], self._cache, len(context) - 1)
+        self._cached_ids.extend(missing)
+        return logits[-1]
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft:
+        if k <= 0:
+            return Draft([])
+        assert self._cache is not None, "begin() was not called"
+        logits = self._sync(context)
+        ids: list[int] = []
+        rows = []
+        for i in range(k):
+            q = process_logits(logits[None], params)  # [1, vocab_q]
+            token = int(q[0].argmax()) if params.greedy else int(sample(q, generator)[0])
+            ids.append(token)
+            rows.append(q[0])
+            if i + 1 < k:
+                logits = self.model.forward([token], self._cache, len(context) + i)[-1]
+                self._cached_ids.append(token)
+        return Draft(ids, torch.stack(rows))
