@@ -36,7 +36,10 @@ def hf_model(arch: str, seed: int = 0, **overrides):  # type: ignore[no-untyped-
             head_dim=16,
             query_pre_attn_scalar=16,
             sliding_window=8,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            layer_types=[
+                "full_attention" if i % 2 else "sliding_attention"
+                for i in range(kw["num_hidden_layers"])
+            ],
         )
         model = tf.Gemma3ForCausalLM(cfg)
         # Gemma's norms start at zero (multiplier 1): make them non-trivial.

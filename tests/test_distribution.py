@@ -1,0 +1,136 @@
+"""Statistical tests that speculative sampling emits the target's distribution exactly.
+
+Exact distributions are enumerated on tiny models (vocab 8), the sampled frequencies are
+compared with a chi-square test at the 0.1% level, and the same samples must *fail*
+against the draft's own distribution: the test has power, it is not a rubber stamp.
+Every sample uses its own fixed seed, so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from speculant import Engine, SamplingParams
+from speculant.models.model import Model
+from speculant.rejection import verify_chain
+from speculant.sampling import process_logits
+
+VOCAB = 8
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+
+
+def chi2_critical(dof: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty approximation)."""
+    a = 2.0 / (9.0 * dof)
+    return dof * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_rejects(counts: Counter, expected: dict, n: int) -> tuple[bool, float, float]:  # type: ignore[type-arg]
+    """Pool bins whose expected count is < 5; returns (rejected, statistic, critical)."""
+    stat, pooled_obs, pooled_exp, bins = 0.0, 0.0, 0.0, 0
+    for outcome in set(expected) | set(counts):
+        e = expected.get(outcome, 0.0) * n
+        o = counts.get(outcome, 0)
+        if e < 5:
+            pooled_obs += o
+            pooled_exp += e
+            continue
+        stat += (o - e) ** 2 / e
+        bins += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        bins += 1
+    elif pooled_obs > 0:
+        return True, math.inf, 0.0  # outcomes the distribution says are impossible
+    crit = chi2_critical(max(bins - 1, 1))
+    return stat > crit, stat, crit
+
+
+def exact_two_token(model: Model, prompt: list[int], params: SamplingParams) -> dict:  # type: ignore[type-arg]
+    """P(t1, t2 | prompt) under `params`' processing, by enumeration."""
+    logits = model.forward(prompt, model.new_cache(16), 0)[-1:]
+    p1 = process_logits(logits, params)[0]
+    out = {}
+    for t1 in range(VOCAB):
+        if p1[t1] == 0:
+            continue
+        l2 = model.forward([*prompt, t1], model.new_cache(16), 0)[-1:]
+        p2 = process_logits(l2, params)[0]
+        for t2 in range(VOCAB):
+            if p2[t2] > 0:
+                out[(t1, t2)] = float(p1[t1] * p2[t2])
+    return out
+
+
+SETTINGS = [
+    SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=0.7, top_k=4, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=1.3, top_p=0.8, max_tokens=3, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_engine_samples_follow_target(tiny_root, params: SamplingParams, k: int) -> None:  # type: ignore[no-untyped-def]
+    target = tiny_model(tiny_root, "llama", seed=11, **SMALL)
+    draft = tiny_model(tiny_root, "llama", seed=12, **SMALL)
+    prompt = [1, 5, 2]
+    engine = Engine(target, draft=draft, num_speculative_tokens=k)
+    n = 2500
+    counts: Counter = Counter()  # type: ignore[type-arg]
+    drafted = accepted = 0
+    for i in range(n):
+        p = SamplingParams(**{**params.__dict__, "seed": 1000 * k + i})
+        res = engine.generate(prompt, p)
+        counts[tuple(res.token_ids[:2])] += 1
+        drafted += res.stats.num_drafted
+        accepted += res.stats.num_accepted
+    assert 0 < accepted < drafted  # both acceptance and rejection were exercised
+    rejected, stat, crit = chi2_rejects(counts, exact_two_token(target, prompt, params), n)
+    assert not rejected, f"samples do not follow the target: chi2={stat:.1f} > {crit:.1f}"
+    rejected, stat, crit = chi2_rejects(counts, exact_two_token(draft, prompt, params), n)
+    assert rejected, f"test has no power: draft distribution not rejected (chi2={stat:.1f})"
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_rule_alone_preserves_p(point_mass: bool) -> None:
+    """verify_chain on fixed rows: the first emitted token follows p[0], the second
+    (when the first draft was kept) follows p[1]; for stochastic and point-mass drafts."""
+    g = torch.Generator().manual_seed(0)
+    p_rows = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)  # [k+1, vocab]
+    q_rows = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)  # [k, vocab]
+    n = 20000
+    first: Counter = Counter()  # type: ignore[type-arg]
+    second: Counter = Counter()  # type: ignore[type-arg]
+    n_second = 0
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        if point_mass:
+            drafts = [2, 4]
+            verdict = verify_chain(drafts, None, p_rows, gen)
+        else:
+            drafts = [int(torch.multinomial(q_rows[j], 1, generator=gen)) for j in range(2)]
+            verdict = verify_chain(drafts, q_rows, p_rows, gen)
+        first[verdict.token_ids[0]] += 1
+        if verdict.num_accepted >= 1:
+            second[verdict.token_ids[1]] += 1
+            n_second += 1
+    expected_first = {t: float(p_rows[0, t]) for t in range(6)}
+    assert not chi2_rejects(first, expected_first, n)[0]
+    assert not chi2_rejects(second, {t: float(p_rows[1, t]) for t in range(6)}, n_second)[0]
+    wrong = {t: float(q_rows[0, t]) for t in range(6)} if not point_mass else {2: 1.0}
+    assert chi2_rejects(first, wrong, n)[0]
+
+
+def test_greedy_rule_is_argmax() -> None:
+    p = process_logits(torch.tensor([[0.1, 2.0, 0.3], [1.0, 0.0, 5.0]]), SamplingParams())
+    q = process_logits(torch.tensor([[0.1, 2.0, 0.3]]), SamplingParams())
+    v = verify_chain([1], q, p, torch.Generator().manual_seed(0))
+    assert v.num_accepted == 1 and v.token_ids == [1, 2]
+    v = verify_chain([0], None, p, torch.Generator().manual_seed(0))
+    assert v.num_accepted == 0 and v.token_ids == [1]
