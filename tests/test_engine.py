@@ -45,7 +45,7 @@ class ScriptedProposer:
 PROMPT = [3, 17, 42, 5, 9, 11]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("wrong_at", [0, 1, 2, 3, 4, 5])
 def test_scripted_rejection_at_each_position(tiny_root, dtype: str, wrong_at: int) -> None:  # type: ignore[no-untyped-def]
     target = tiny_model(tiny_root, "llama", seed=1, dtype=dtype)
@@ -70,7 +70,7 @@ def test_scripted_rejection_at_each_position(tiny_root, dtype: str, wrong_at: in
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_random_draft_model_greedy_equivalence(tiny_root, arch: str, k: int) -> None:  # type: ignore[no-untyped-def]
     target = tiny_model(tiny_root, arch, seed=1, dtype="bfloat16")
-    draft = tiny_model(tiny_root, arch, seed=2, dtype="bfloat16", num_hidden_layers=1)
+    draft = tiny_model(tiny_root, arch, seed=2, dtype="int8", num_hidden_layers=1)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     plain = Engine(target).generate(PROMPT, params)
     spec = Engine(target, draft=draft, num_speculative_tokens=k).generate(PROMPT, params)

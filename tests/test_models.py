@@ -43,7 +43,7 @@ def test_gemma_sliding_window_matters(tmp_root_factory=None, tmp_path=None) -> N
     assert not torch.allclose(windowed, unwindowed, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_row_count_invariance(dtype: str, tiny_root) -> None:  # type: ignore[no-untyped-def]
     """A token's logits are bitwise the same whether it runs alone or inside a verify
     pass of several rows: the property greedy equivalence rests on."""
@@ -79,3 +79,14 @@ def test_not_a_gguf_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match="not a GGUF"):
         load_model(bad)
+
+
+def test_int8_weights_stay_close_to_bf16(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    exact = tiny_model(tiny_root, "llama", seed=6, dtype="float32")
+    quant = tiny_model(tiny_root, "llama", seed=6, dtype="int8")
+    assert quant.int8 and not exact.int8
+    ids = list(range(3, 19))
+    a = exact.forward(ids, exact.new_cache(32), 0)
+    b = quant.forward(ids, quant.new_cache(32), 0)
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8

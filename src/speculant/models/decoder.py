@@ -35,13 +35,47 @@ def padded_rows(n: int, dtype: torch.dtype) -> int:
 
 
 @dataclass
+class Int8Weight:
+    """Weight-only int8: per-output-channel symmetric scales, bf16 activations.
+
+    Computed by one fused kernel (`_weight_int8pack_mm`) that reads half the bytes of
+    bf16; its rows are independent of the row count, so verify and decode agree.
+    """
+
+    q: Tensor  # [out, in] int8
+    scales: Tensor  # [out] bfloat16
+
+    @classmethod
+    def quantize(cls, w: Tensor) -> Int8Weight:
+        wf = w.float()
+        scales = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-10)  # [out]
+        q = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scales.to(torch.bfloat16))
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 2
+
+
+Linear = Tensor | Int8Weight
+
+
+def linear(x: Tensor, w: Linear, bias: Tensor | None = None) -> Tensor:
+    """x: [T, in] -> [T, out]."""
+    if isinstance(w, Int8Weight):
+        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.q, w.scales)
+        return y if bias is None else y + bias
+    return F.linear(x, w, bias)
+
+
+@dataclass
 class LayerWeights:
     attn_norm: Tensor  # [dim]
-    wqkv: Tensor  # [(n_heads + 2 * n_kv_heads) * head_dim, dim]
-    wo: Tensor  # [dim, n_heads * head_dim]
+    wqkv: Linear  # [(n_heads + 2 * n_kv_heads) * head_dim, dim]
+    wo: Linear  # [dim, n_heads * head_dim]
     ffn_norm: Tensor  # [dim]
-    w_gate_up: Tensor  # [2 * ffn_dim, dim]
-    w_down: Tensor  # [dim, ffn_dim]
+    w_gate_up: Linear  # [2 * ffn_dim, dim]
+    w_down: Linear  # [dim, ffn_dim]
     bqkv: Tensor | None = None  # [(n_heads + 2 * n_kv_heads) * head_dim]
     q_norm: Tensor | None = None  # [head_dim]
     k_norm: Tensor | None = None  # [head_dim]
@@ -53,14 +87,20 @@ class LayerWeights:
 class Weights:
     tok_embeddings: Tensor  # [vocab, dim]
     norm: Tensor  # [dim]
-    output: Tensor  # [vocab, dim] (the embedding itself when tied)
+    output: Linear  # [vocab, dim] (the embedding itself when tied)
     layers: list[LayerWeights] = field(default_factory=list)
 
     def tensors(self) -> list[Tensor]:
-        out = [self.tok_embeddings, self.norm, self.output]
-        for lw in self.layers:
-            out.extend(t for t in vars(lw).values() if isinstance(t, Tensor))
+        out: list[Tensor] = []
+        for value in [self.tok_embeddings, self.norm, self.output, *self._layer_values()]:
+            if isinstance(value, Int8Weight):
+                out.extend([value.q, value.scales])
+            elif isinstance(value, Tensor):
+                out.append(value)
         return out
+
+    def _layer_values(self) -> list[object]:
+        return [v for lw in self.layers for v in vars(lw).values()]
 
     def nbytes(self) -> int:
         seen: set[int] = set()
@@ -70,6 +110,17 @@ class Weights:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
+
+    def quantize_int8(self) -> None:
+        """Replace every projection and the LM head by weight-only int8 (embedding
+        lookups stay in the activation dtype)."""
+        for lw in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                w = getattr(lw, name)
+                if isinstance(w, Tensor):
+                    setattr(lw, name, Int8Weight.quantize(w))
+        if isinstance(self.output, Tensor):
+            self.output = Int8Weight.quantize(self.output)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -173,7 +224,7 @@ class Transformer:
         hidden = rms_norm(x, w.norm, c.norm_eps)  # [T, dim]
         out_logits = None
         if logits:
-            out_logits = F.linear(hidden, w.output).float()  # [T, vocab]
+            out_logits = linear(hidden, w.output).float()  # [T, vocab]
             if c.final_logit_softcap:
                 cap = c.final_logit_softcap
                 out_logits = torch.tanh(out_logits / cap) * cap
@@ -194,7 +245,7 @@ class Transformer:
         c = self.config
         t = x.shape[0]
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
-        qkv = F.linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2 nkv) hd]
+        qkv = linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2 nkv) hd]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(t, nh, hd).transpose(0, 1)[None]  # [1, nh, T, hd]
         k = k.view(t, nkv, hd).transpose(0, 1)[None]  # [1, nkv, T, hd]
@@ -214,12 +265,12 @@ class Transformer:
         probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
         out = torch.matmul(probs, values[0])  # [nkv, rep*T, hd]
         out = out.view(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)
-        return F.linear(out, lw.wo)
+        return linear(out, lw.wo)
 
     def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:
-        gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
+        gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
         if self.config.activation == "silu":
             act = F.silu(gate)
         else:
             act = F.gelu(gate, approximate="tanh")
-        return F.linear(act * up, lw.w_down)
+        return linear(act * up, lw.w_down)

@@ -1,0 +1,231 @@
+"""`speculant` command line: subcommands parse flags into config, then call the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+EPILOG = """\
+examples:
+  speculant generate "def quicksort(xs):"                  # default pair, greedy
+  speculant generate "Write a haiku" --chat --temperature 0.8 --top-p 0.95 --seed 1
+  speculant generate "print(1)" --method none --json      # plain decoding baseline
+  speculant models list
+  speculant models pull smollm2-135m-instruct
+"""
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="speculant",
+        description="Lossless speculative decoding: a cheap proposer drafts tokens, the "
+        "target verifies them in one pass, and rejection sampling keeps the target's "
+        "own output distribution.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate text from a prompt",
+        description="Generate a continuation of PROMPT. Greedy by default (temperature 0): "
+        "the output is then token for token what the target alone would produce.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    gen.add_argument("--target", default=DEFAULT_TARGET,
+                     help="target model: a built-in name, a .gguf file or a HF folder")
+    gen.add_argument("--draft", default=DEFAULT_DRAFT,
+                     help="draft model for --method draft (must share the target's tokenizer)")
+    gen.add_argument("--method", default="draft", choices=_methods(),
+                     help="how drafts are proposed; 'none' is plain decoding with the target")
+    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=5, metavar="K",
+                     help="tokens drafted per verification pass (γ)")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                     help="0 = greedy; otherwise the sampling temperature")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: smallest set reaching this mass; 1 = off")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when TEXT appears (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"],
+                     help="target dtype (int8: weight-only int8 with bfloat16 activations)")
+    gen.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8"],
+                     help="draft dtype; a lower-precision draft stays lossless, since "
+                     "verification filters its errors")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message with the model's chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (text, token_ids, finish_reason, stats)")
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list, pull or verify built-in models")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION")
+    ls = msub.add_parser("list", help="show the built-in models and whether they are pulled")
+    ls.set_defaults(func=cmd_models_list)
+    pull = msub.add_parser("pull", help="download, assemble and SHA-256-check a built-in model")
+    pull.add_argument("names", nargs="+", metavar="NAME")
+    pull.add_argument("--force", action="store_true", help="fetch again even if present")
+    pull.set_defaults(func=cmd_models_pull)
+    ver = msub.add_parser("verify", help="re-hash pulled models against their SHA-256")
+    ver.add_argument("names", nargs="+", metavar="NAME")
+    ver.set_defaults(func=cmd_models_verify)
+    models.set_defaults(func=lambda args: models.print_help() or 0)
+    return parser
+
+
+def _methods() -> list[str]:
+    from speculant.proposers import available_methods
+
+    return available_methods()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from speculant import Engine, SamplingParams, load_model
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CliError(f"--threads={args.threads} is out of range: use >= 1")
+        torch.set_num_threads(args.threads)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop),
+    )
+    if args.num_speculative_tokens < 0:
+        raise CliError(f"--num-speculative-tokens={args.num_speculative_tokens}: use >= 0")
+    progress = not args.json or sys.stderr.isatty()
+    target = load_model(args.target, dtype=args.dtype, progress=progress)
+    draft = None
+    if args.method == "draft":
+        draft = load_model(args.draft, dtype=args.draft_dtype, progress=progress)
+    engine = Engine(
+        target, draft=draft, method=args.method, num_speculative_tokens=args.num_speculative_tokens
+    )
+    tok = target.tokenizer
+    if tok is None:
+        raise CliError(f"model {args.target} has no tokenizer: text prompts need one")
+    if args.chat:
+        if not tok.chat_template:
+            raise CliError(f"model {args.target} has no chat template: drop --chat")
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(prompt)
+    if args.json:
+        res = engine.generate(ids, params)
+    else:
+        stream = engine.stream(ids, params)
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        assert stream.result is not None
+        res = stream.result
+    out = {
+        "text": res.text,
+        "token_ids": res.token_ids,
+        "finish_reason": res.finish_reason,
+        "stats": res.stats.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        s = res.stats
+        line = (
+            f"[{engine.method}] {s.num_generated} tokens, {s.tokens_per_second:.1f} tok/s, "
+            f"{s.target_forwards} target passes, {s.mean_accepted_length:.2f} tokens/pass"
+        )
+        if s.num_drafted:
+            line += f", acceptance {s.acceptance_rate:.0%} ({s.num_accepted}/{s.num_drafted})"
+        print(line + f", finish: {res.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from speculant.models.registry import list_models, speculant_home
+
+    table = Table(title=f"built-in models (cache: {speculant_home()})")
+    for col in ("name", "description", "size", "pulled"):
+        table.add_column(col)
+    for m in list_models():
+        table.add_row(m["name"], m["description"], f"{m['size'] / 1e6:,.0f} MB",
+                      "yes" if m["pulled"] else "no")
+    Console().print(table)
+    return 0
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from speculant.models.registry import get_known, pull
+
+    for name in args.names:
+        get_known(name)  # fail on a bad name before downloading anything
+    for name in args.names:
+        path = pull(name, force=args.force)
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_models_verify(args: argparse.Namespace) -> int:
+    from speculant.models.registry import get_known, verify
+
+    bad = 0
+    for name in args.names:
+        get_known(name)
+        ok = verify(name)
+        print(f"{name}: {'ok' if ok else 'MISMATCH or missing'}")
+        bad += not ok
+    return 1 if bad else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        # Our errors name the bad value and what is allowed; no traceback for users.
+        print(f"speculant: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Golden checks on real models pulled from the registry (SmolLM2 135M in CI)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import real_model_path
+
+from speculant import Engine, SamplingParams, load_model
+from speculant.cli import main
+from speculant.engine import plain_greedy
+from speculant.proposers import TokenizerMismatchError
+from test_engine import ScriptedProposer
+
+pytestmark = pytest.mark.real
+
+CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+@pytest.fixture(scope="module")
+def smol_fp32():  # type: ignore[no-untyped-def]
+    return load_model(real_model_path("smollm2-135m-instruct"), dtype="float32", progress=False)
+
+
+def test_gguf_logits_and_greedy_match_transformers(smol_fp32) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    path = smol_fp32.source
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ids = smol_fp32.tokenizer.encode(CODE)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+        hf_out = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0]
+    got = smol_fp32.forward(ids, smol_fp32.new_cache(64), 0)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    ours = Engine(smol_fp32).generate(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert ours.token_ids == hf_out[len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("wrong_at", [0, 2, 5])
+def test_real_model_greedy_equivalence_bf16(smollm2, wrong_at: int) -> None:  # type: ignore[no-untyped-def]
+    ids = smollm2.tokenizer.encode(CODE)
+    reference = plain_greedy(smollm2, ids, 64)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    assert Engine(smollm2).generate(ids, params).token_ids == reference
+    scripted = ScriptedProposer(ids, reference + [0] * 8, wrong_at, smollm2.vocab_size)
+    res = Engine(smollm2, proposer=scripted, num_speculative_tokens=5).generate(ids, params)
+    assert res.token_ids == reference
+    assert res.stats.num_accepted == sum(min(wrong_at, r) for r in scripted.requested)
+
+
+def test_real_self_draft_accepts_all(smollm2) -> None:  # type: ignore[no-untyped-def]
+    ids = smollm2.tokenizer.encode(CODE)
+    res = Engine(smollm2, draft=smollm2, num_speculative_tokens=4).generate(
+        ids, SamplingParams(max_tokens=40, ignore_eos=True)
+    )
+    assert res.token_ids == plain_greedy(smollm2, ids, 40)
+    assert res.stats.acceptance_rate == 1.0
+
+
+def test_stop_string_and_eos(smollm2) -> None:  # type: ignore[no-untyped-def]
+    tok = smollm2.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]),
+                     add_special_tokens=False)
+    res = Engine(smollm2).generate(ids, SamplingParams(max_tokens=100))
+    assert res.finish_reason == "stop" and res.token_ids[-1] in tok.eos_token_ids
+    full = Engine(smollm2).generate(ids, SamplingParams(max_tokens=100))
+    word = full.text.split()[2]
+    cut = Engine(smollm2, draft=smollm2).generate(ids, SamplingParams(max_tokens=100, stop=(word,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(word)]
+
+
+def test_tokenizer_mismatch_is_refused(smollm2) -> None:  # type: ignore[no-untyped-def]
+    other = load_model(real_model_path("gemma-3-270m"), progress=False)
+    with pytest.raises(TokenizerMismatchError, match="cannot draft"):
+        Engine(smollm2, draft=other)
+
+
+def test_cli_json(capsys) -> None:  # type: ignore[no-untyped-def]
+    real_model_path("smollm2-135m-instruct")
+    common = ["generate", "def add(a, b):", "--target", "smollm2-135m-instruct",
+              "--max-tokens", "12", "--json", "--ignore-eos"]
+    rc = main([*common, "--draft", "smollm2-135m-instruct", "--draft-dtype", "bfloat16"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+    assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
+    assert set(out["stats"]) == {"num_drafted", "num_accepted", "acceptance_rate",
+                                 "mean_accepted_length", "accepted_per_position",
+                                 "target_forwards", "tokens_per_second"}
+    assert out["stats"]["acceptance_rate"] == 1.0
+    # An int8 draft (the CLI default) changes acceptance, never the greedy tokens.
+    assert main([*common, "--draft", "smollm2-135m-instruct"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert main([*common, "--method", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert int8["token_ids"] == plain["token_ids"] == out["token_ids"]
+    assert plain["stats"]["num_drafted"] == 0
+
+
+def test_cli_bad_input_is_one_clear_line(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["generate", "x", "--target", "nope-model", "--method", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'nope-model'" in err and "Traceback" not in err
+    assert main(["generate", "x", "--top-p", "1.5", "--method", "none"]) == 2
+    assert "top_p=1.5" in capsys.readouterr().err
