@@ -23,7 +23,7 @@ from speculant import Engine, SamplingParams, load_model
 CODE_PROMPTS = [
     "Write a Python function `is_prime(n)` that returns True when n is prime. Include a docstring.",
     "Write a Python function that merges two sorted lists into one sorted list.",
-    "Implement binary search in Python as a function `bsearch(xs, target)` returning the index or -1.",
+    "Implement binary search in Python as `bsearch(xs, target)`, returning the index or -1.",
     "Write a Python class `Stack` with push, pop, peek and is_empty methods.",
     "Write a Python function that counts the words in a text file and returns the 10 most common.",
 ]
@@ -51,17 +51,21 @@ def main() -> int:
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=5)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--draft-dtype", default="int8")
     ap.add_argument("--limit", type=int, default=len(CODE_PROMPTS))
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", default="bench-out/core.json")
     args = ap.parse_args()
     torch.manual_seed(0)
-    target = load_model(args.target)
-    draft = load_model(args.draft)
+    target = load_model(args.target, dtype=args.dtype)
+    draft = load_model(args.draft, dtype=args.draft_dtype)
     tok = target.tokenizer
     assert tok is not None
     prompts = [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False
+        )
         for p in CODE_PROMPTS[: args.limit]
     ]
     params = SamplingParams(max_tokens=args.max_tokens)
@@ -72,22 +76,28 @@ def main() -> int:
     for i, ids in enumerate(prompts):
         a = plain.generate(ids, params)
         b = spec.generate(ids, params)
-        rows.append({
-            "prompt": i,
-            "new_tokens": len(a.token_ids),
-            "plain_tok_s": a.stats.tokens_per_second,
-            "spec_tok_s": b.stats.tokens_per_second,
-            "speedup": b.stats.tokens_per_second / a.stats.tokens_per_second,
-            "acceptance_rate": b.stats.acceptance_rate,
-            "mean_accepted_length": b.stats.mean_accepted_length,
-            "identical": a.token_ids == b.token_ids,
-        })
+        rows.append(
+            {
+                "prompt": i,
+                "new_tokens": len(a.token_ids),
+                "plain_tok_s": a.stats.tokens_per_second,
+                "spec_tok_s": b.stats.tokens_per_second,
+                "speedup": b.stats.tokens_per_second / a.stats.tokens_per_second,
+                "acceptance_rate": b.stats.acceptance_rate,
+                "mean_accepted_length": b.stats.mean_accepted_length,
+                "identical": a.token_ids == b.token_ids,
+            }
+        )
         r = rows[-1]
-        print(f"prompt {i}: plain {r['plain_tok_s']:.2f} tok/s, spec {r['spec_tok_s']:.2f} tok/s "
-              f"(x{r['speedup']:.2f}), acceptance {r['acceptance_rate']:.2f}, "
-              f"tokens/pass {r['mean_accepted_length']:.2f}, identical {r['identical']}", flush=True)
+        print(
+            f"prompt {i}: plain {r['plain_tok_s']:.2f} tok/s, spec {r['spec_tok_s']:.2f} tok/s "
+            f"(x{r['speedup']:.2f}), acceptance {r['acceptance_rate']:.2f}, "
+            f"tokens/pass {r['mean_accepted_length']:.2f}, identical {r['identical']}",
+            flush=True,
+        )
     costs_t = forward_cost(target, [1, 2, 4, 6, 8, 16])
     costs_d = forward_cost(draft, [1, 2])
+    del target.net, draft.net  # free memory before loading the reference implementation
     print("target forward ms by width:", {k: round(v, 1) for k, v in costs_t.items()})
     print("draft forward ms by width:", {k: round(v, 1) for k, v in costs_d.items()})
     hf = None
@@ -95,13 +105,22 @@ def main() -> int:
         hf = transformers_plain(target, prompts, args.max_tokens)
         print(f"transformers bf16 generate: median {hf['median_tok_s']:.2f} tok/s")
     report = {
-        "target": args.target, "draft": args.draft, "k": args.k, "max_tokens": args.max_tokens,
-        "threads": torch.get_num_threads(), "rows": rows,
+        "target": args.target,
+        "draft": args.draft,
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "draft_dtype": args.draft_dtype,
+        "command": " ".join(sys.argv),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
         "median_plain_tok_s": statistics.median(r["plain_tok_s"] for r in rows),
         "median_spec_tok_s": statistics.median(r["spec_tok_s"] for r in rows),
         "median_speedup": statistics.median(r["speedup"] for r in rows),
         "all_identical": all(r["identical"] for r in rows),
-        "target_forward_ms": costs_t, "draft_forward_ms": costs_d, "transformers": hf,
+        "target_forward_ms": costs_t,
+        "draft_forward_ms": costs_d,
+        "transformers": hf,
     }
     if hf:
         report["plain_vs_transformers"] = report["median_plain_tok_s"] / hf["median_tok_s"]
@@ -115,15 +134,17 @@ def transformers_plain(model, prompts, max_tokens):  # type: ignore[no-untyped-d
     from transformers import AutoModelForCausalLM
 
     src = model.source
-    ref = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                               dtype=torch.bfloat16).eval()
-    speeds, same = [], []
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.bfloat16
+    ).eval()
+    speeds = []
     for ids in prompts:
         x = torch.tensor([ids])
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = ref.generate(x, max_new_tokens=max_tokens, do_sample=False,
-                               min_new_tokens=max_tokens)
+            out = ref.generate(
+                x, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens
+            )
         dt = time.perf_counter() - t0
         speeds.append((out.shape[1] - len(ids)) / dt)
     return {"median_tok_s": statistics.median(speeds), "tok_s": speeds}

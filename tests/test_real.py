@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 from conftest import real_model_path
+from test_engine import ScriptedProposer
 
 from speculant import Engine, SamplingParams, load_model
 from speculant.cli import main
 from speculant.engine import plain_greedy
 from speculant.proposers import TokenizerMismatchError
-from test_engine import ScriptedProposer
 
 pytestmark = pytest.mark.real
 
-CODE = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+CODE = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,10 @@ def test_real_self_draft_accepts_all(smollm2) -> None:  # type: ignore[no-untype
 
 def test_stop_string_and_eos(smollm2) -> None:  # type: ignore[no-untyped-def]
     tok = smollm2.tokenizer
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]),
-                     add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]),
+        add_special_tokens=False,
+    )
     res = Engine(smollm2).generate(ids, SamplingParams(max_tokens=100))
     assert res.finish_reason == "stop" and res.token_ids[-1] in tok.eos_token_ids
     full = Engine(smollm2).generate(ids, SamplingParams(max_tokens=100))
@@ -83,16 +85,30 @@ def test_tokenizer_mismatch_is_refused(smollm2) -> None:  # type: ignore[no-unty
 
 def test_cli_json(capsys) -> None:  # type: ignore[no-untyped-def]
     real_model_path("smollm2-135m-instruct")
-    common = ["generate", "def add(a, b):", "--target", "smollm2-135m-instruct",
-              "--max-tokens", "12", "--json", "--ignore-eos"]
+    common = [
+        "generate",
+        "def add(a, b):",
+        "--target",
+        "smollm2-135m-instruct",
+        "--max-tokens",
+        "12",
+        "--json",
+        "--ignore-eos",
+    ]
     rc = main([*common, "--draft", "smollm2-135m-instruct", "--draft-dtype", "bfloat16"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
     assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length"
-    assert set(out["stats"]) == {"num_drafted", "num_accepted", "acceptance_rate",
-                                 "mean_accepted_length", "accepted_per_position",
-                                 "target_forwards", "tokens_per_second"}
+    assert set(out["stats"]) == {
+        "num_drafted",
+        "num_accepted",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "accepted_per_position",
+        "target_forwards",
+        "tokens_per_second",
+    }
     assert out["stats"]["acceptance_rate"] == 1.0
     # An int8 draft (the CLI default) changes acceptance, never the greedy tokens.
     assert main([*common, "--draft", "smollm2-135m-instruct"]) == 0
@@ -109,3 +125,23 @@ def test_cli_bad_input_is_one_clear_line(capsys) -> None:  # type: ignore[no-unt
     assert "unknown model 'nope-model'" in err and "Traceback" not in err
     assert main(["generate", "x", "--top-p", "1.5", "--method", "none"]) == 2
     assert "top_p=1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_converted_weight_cache_roundtrip(dtype: str) -> None:
+    from speculant.models import weight_cache
+
+    path = real_model_path("smollm2-135m-instruct")
+    first = load_model(path, dtype=dtype, progress=False)  # writes the cache if absent
+    assert weight_cache.cache_path(path, dtype).is_file()
+    again = weight_cache.load(path, dtype)
+    assert again is not None
+    config, weights = again
+    assert config == first.config
+    from speculant.models.decoder import Transformer
+
+    net = Transformer(config, weights, first.dtype)
+    ids = torch.tensor(first.tokenizer.encode(CODE))
+    a, _ = first.net.forward(ids, first.new_cache(64), 0)
+    b, _ = net.forward(ids, net.new_cache(64), 0)
+    assert a is not None and b is not None and torch.equal(a, b)

@@ -1,10 +1,10 @@
 """Speculant: lossless speculative decoding.
 
-    from speculant import load_model, Engine, SamplingParams
-    target = load_model("qwen2.5-coder-1.5b-instruct")
-    draft = load_model("qwen2.5-coder-0.5b-instruct")
-    engine = Engine(target, draft=draft, num_speculative_tokens=5)
-    res = engine.generate(target.tokenizer.encode("def fib(n):"), SamplingParams(max_tokens=64))
+from speculant import load_model, Engine, SamplingParams
+target = load_model("qwen2.5-coder-1.5b-instruct")
+draft = load_model("qwen2.5-coder-0.5b-instruct")
+engine = Engine(target, draft=draft, num_speculative_tokens=5)
+res = engine.generate(target.tokenizer.encode("def fib(n):"), SamplingParams(max_tokens=64))
 """
 
 from speculant.engine import Engine, GenerationResult, GenerationStats, RequestError, StreamChunk

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
 # Attention reads keys in whole blocks of this many positions (see decoder: reductions
 # over a fixed-size, zero-padded row keep results independent of the pass's length).
 KEY_BLOCK = 64

@@ -51,33 +51,76 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
-    gen.add_argument("--target", default=DEFAULT_TARGET,
-                     help="target model: a built-in name, a .gguf file or a HF folder")
-    gen.add_argument("--draft", default=DEFAULT_DRAFT,
-                     help="draft model for --method draft (must share the target's tokenizer)")
-    gen.add_argument("--method", default="draft", choices=_methods(),
-                     help="how drafts are proposed; 'none' is plain decoding with the target")
-    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=5, metavar="K",
-                     help="tokens drafted per verification pass (γ)")
+    gen.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="target model: a built-in name, a .gguf file or a HF folder",
+    )
+    gen.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help="draft model for --method draft (must share the target's tokenizer)",
+    )
+    gen.add_argument(
+        "--method",
+        default="draft",
+        choices=_methods(),
+        help="how drafts are proposed; 'none' is plain decoding with the target",
+    )
+    gen.add_argument(
+        "--num-speculative-tokens",
+        "-k",
+        type=int,
+        default=5,
+        metavar="K",
+        help="tokens drafted per verification pass (γ)",
+    )
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
-    gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
-                     help="0 = greedy; otherwise the sampling temperature")
+    gen.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=0.0,
+        help="0 = greedy; otherwise the sampling temperature",
+    )
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0,
-                     help="nucleus sampling: smallest set reaching this mass; 1 = off")
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: smallest set reaching this mass; 1 = off",
+    )
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop when TEXT appears (repeatable)")
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop when TEXT appears (repeatable)",
+    )
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"],
-                     help="target dtype (int8: weight-only int8 with bfloat16 activations)")
-    gen.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8"],
-                     help="draft dtype; a lower-precision draft stays lossless, since "
-                     "verification filters its errors")
-    gen.add_argument("--chat", action="store_true",
-                     help="wrap the prompt as a user message with the model's chat template")
-    gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (text, token_ids, finish_reason, stats)")
+    gen.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "int8"],
+        help="target dtype (int8: weight-only int8 with bfloat16 activations)",
+    )
+    gen.add_argument(
+        "--draft-dtype",
+        default="int8",
+        choices=["bfloat16", "float32", "int8"],
+        help="draft dtype; a lower-precision draft stays lossless, since "
+        "verification filters its errors",
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt as a user message with the model's chat template",
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, token_ids, finish_reason, stats)",
+    )
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.set_defaults(func=cmd_generate)
 
@@ -92,8 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     ver = msub.add_parser("verify", help="re-hash pulled models against their SHA-256")
     ver.add_argument("names", nargs="+", metavar="NAME")
     ver.set_defaults(func=cmd_models_verify)
-    models.set_defaults(func=lambda args: models.print_help() or 0)
+    models.set_defaults(func=lambda args: _print_help(models))
     return parser
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0
 
 
 def _methods() -> list[str]:
@@ -181,8 +229,12 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     for col in ("name", "description", "size", "pulled"):
         table.add_column(col)
     for m in list_models():
-        table.add_row(m["name"], m["description"], f"{m['size'] / 1e6:,.0f} MB",
-                      "yes" if m["pulled"] else "no")
+        table.add_row(
+            m["name"],
+            m["description"],
+            f"{m['size'] / 1e6:,.0f} MB",
+            "yes" if m["pulled"] else "no",
+        )
     Console().print(table)
     return 0
 

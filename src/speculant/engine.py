@@ -199,9 +199,7 @@ class Engine:
                 if budget <= 0:
                     break
                 k = min(self.num_speculative_tokens, budget - 1)
-                draft = (
-                    self.proposer.propose(tokens, k, params, generator) if k > 0 else Draft([])
-                )
+                draft = self.proposer.propose(tokens, k, params, generator) if k > 0 else Draft([])
                 draft_ids = draft.token_ids[:k]
                 q = draft.q_probs[:k] if draft.q_probs is not None else None
                 start = len(tokens) - 1

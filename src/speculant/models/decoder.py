@@ -269,8 +269,6 @@ class Transformer:
 
     def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:
         gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
-        if self.config.activation == "silu":
-            act = F.silu(gate)
-        else:
-            act = F.gelu(gate, approximate="tanh")
+        silu = self.config.activation == "silu"
+        act = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
         return linear(act * up, lw.w_down)

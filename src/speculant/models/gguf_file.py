@@ -54,7 +54,9 @@ class GGUFIndex:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as gguf.quants.dequantize expects them: [rows, row_bytes]."""
         info = self.tensors[name]
-        mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+        mm = np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,)
+        )
         rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
         return mm.reshape(rows, info.nbytes // rows)
 

@@ -26,11 +26,12 @@ class ModelLoadError(ValueError):
     """A model file or folder that cannot be loaded, with the reason."""
 
 
-
-
 # ----------------------------------------------------------------------------- assembly
 def _assemble(
-    config: ModelConfig, get: Callable[[str], Tensor | None], names: dict[str, str], dtype: torch.dtype
+    config: ModelConfig,
+    get: Callable[[str], Tensor | None],
+    names: dict[str, str],
+    dtype: torch.dtype,
 ) -> Weights:
     """Build Weights from a source. `names` maps our roles to the source's names, with
     "{i}" for the layer index; `get` returns a float32 tensor or None when absent."""
@@ -157,7 +158,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         theta, factor = _rope_theta(cfg, "full_attention")
         local_theta, _ = _rope_theta(cfg, "sliding_attention")
         layer_types = cfg.get("layer_types") or [
-            "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0
+            "full_attention"
+            if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0
             else "sliding_attention"
             for i in range(common["n_layers"])
         ]
@@ -171,7 +173,9 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             embed_scale=math.sqrt(dim),
             query_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
             sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
-            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types),
+            layer_types=tuple(
+                "sliding" if t == "sliding_attention" else "full" for t in layer_types
+            ),
             activation="gelu_tanh",
             final_logit_softcap=cfg.get("final_logit_softcapping"),
         )
@@ -316,12 +320,15 @@ def config_from_gguf(index: GGUFIndex) -> ModelConfig:
 def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     """Undo the llama.cpp converter's Q/K row permutation (interleaved -> rotate-half)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    )
 
 
 def load_gguf(
     path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
 ) -> tuple[ModelConfig, Weights]:
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
     try:
@@ -335,7 +342,7 @@ def load_gguf(
         info = index.tensors.get(name)
         if info is None:
             return None
-        arr = dequantize(index.raw(name), info.ggml_type)
+        arr = dequantize(index.raw(name), GGMLQuantizationType(info.ggml_type))
         shape = tuple(reversed(info.shape))  # gguf lists (in, out)
         out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
         if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from speculant.cache import KVCache
-from speculant.models import registry
+from speculant.models import registry, weight_cache
 from speculant.models.config import ModelConfig
-from speculant.models.decoder import Int8Weight, Transformer
+from speculant.models.decoder import Int8Weight, Transformer, Weights
 from speculant.models.loader import ModelLoadError, load_gguf, load_hf_dir
 from speculant.models.tokenizer import Tokenizer
 
@@ -66,17 +66,16 @@ class Model:
     def new_cache(self, capacity: int) -> KVCache:
         return self.net.new_cache(capacity)
 
-    def forward(
-        self, token_ids: Sequence[int] | Tensor, cache: KVCache, start: int
-    ) -> Tensor:
+    def forward(self, token_ids: Sequence[int] | Tensor, cache: KVCache, start: int) -> Tensor:
         """Logits [T, vocab] float32 for tokens at positions start .. start+T-1."""
         tokens = torch.as_tensor(token_ids, dtype=torch.long)
         logits, _ = self.net.forward(tokens, cache, start)
         assert logits is not None
         return logits
 
-    def prefill(self, token_ids: Sequence[int], cache: KVCache, start: int = 0,
-                chunk: int = 256) -> None:
+    def prefill(
+        self, token_ids: Sequence[int], cache: KVCache, start: int = 0, chunk: int = 256
+    ) -> None:
         """Write the cache for token_ids at start.. without computing logits."""
         for i in range(0, len(token_ids), chunk):
             part = torch.as_tensor(token_ids[i : i + chunk], dtype=torch.long)
@@ -127,7 +126,15 @@ def _load_path(path: Path, dtype: torch.dtype, int8: bool, progress: bool, name:
         config, weights = load_hf_dir(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.suffix == ".gguf":
-        config, weights = _load_gguf_with_progress(path, dtype, progress, name)
+        label = weight_cache.dtype_label(dtype, int8)
+        cached = weight_cache.load(path, label)
+        if cached is not None:
+            config, weights = cached
+        else:
+            config, weights = _load_gguf_with_progress(path, dtype, progress, name)
+            if int8:
+                weights.quantize_int8()
+            weight_cache.save(path, label, config, weights)
         tokenizer = Tokenizer.from_gguf(path)
     else:
         raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face folder")
@@ -136,7 +143,7 @@ def _load_path(path: Path, dtype: torch.dtype, int8: bool, progress: bool, name:
             f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
             f"{config.vocab_size} embeddings"
         )
-    if int8:
+    if int8 and not isinstance(weights.output, Int8Weight):
         weights.quantize_int8()
     net = Transformer(config, weights, dtype)
     label = "int8" if int8 else str(dtype).removeprefix("torch.")
@@ -149,7 +156,9 @@ def _load_path(path: Path, dtype: torch.dtype, int8: bool, progress: bool, name:
     return Model(name, config, net, tokenizer, source=path)
 
 
-def _load_gguf_with_progress(path: Path, dtype: torch.dtype, progress: bool, name: str):  # type: ignore[no-untyped-def]
+def _load_gguf_with_progress(
+    path: Path, dtype: torch.dtype, progress: bool, name: str
+) -> tuple[ModelConfig, Weights]:
     if not progress:
         return load_gguf(path, dtype)
     from rich.console import Console
