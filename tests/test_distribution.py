@@ -134,3 +134,26 @@ def test_greedy_rule_is_argmax() -> None:
     assert v.num_accepted == 1 and v.token_ids == [1, 2]
     v = verify_chain([0], None, p, torch.Generator().manual_seed(0))
     assert v.num_accepted == 0 and v.token_ids == [1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer-skip", "suffix"])
+@pytest.mark.parametrize("k", [2, "auto"])
+def test_every_proposer_samples_follow_target(tiny_root, method: str, k) -> None:  # type: ignore[no-untyped-def]
+    from speculant.proposers import available_methods
+
+    if method not in available_methods():
+        pytest.fail(f"method {method} is not registered")
+    target = tiny_model(tiny_root, "llama", seed=11, **{**SMALL, "num_hidden_layers": 3})
+    prompt = [1, 5, 2, 1, 5]  # repeats, so lookup-based proposers find drafts
+    engine = Engine(target, method=method, num_speculative_tokens=k)
+    params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True)
+    n = 2500
+    counts: Counter = Counter()  # type: ignore[type-arg]
+    drafted = 0
+    for i in range(n):
+        res = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": 77_000 + i}))
+        counts[tuple(res.token_ids[:2])] += 1
+        drafted += res.stats.num_drafted
+    assert drafted > 0
+    rejected, stat, crit = chi2_rejects(counts, exact_two_token(target, prompt, params), n)
+    assert not rejected, f"{method}: samples do not follow the target: chi2={stat:.1f} > {crit:.1f}"

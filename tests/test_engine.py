@@ -29,7 +29,7 @@ class ScriptedProposer:
     def begin(self, prompt_ids: Sequence[int], capacity: int) -> None:
         return None
 
-    def end(self) -> None:
+    def end(self, tokens: Sequence[int]) -> None:
         return None
 
     def propose(self, context, k, params, generator):  # type: ignore[no-untyped-def]

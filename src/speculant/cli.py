@@ -15,6 +15,7 @@ examples:
   speculant generate "def quicksort(xs):"                  # default pair, greedy
   speculant generate "Write a haiku" --chat --temperature 0.8 --top-p 0.95 --seed 1
   speculant generate "print(1)" --method none --json      # plain decoding baseline
+  speculant generate "Fix the bug: ..." --method ngram -k auto   # prompt lookup, adaptive k
   speculant models list
   speculant models pull smollm2-135m-instruct
 """
@@ -70,10 +71,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--num-speculative-tokens",
         "-k",
-        type=int,
+        type=_k_value,
         default=5,
         metavar="K",
-        help="tokens drafted per verification pass (γ)",
+        help="tokens drafted per verification pass (γ), or 'auto' to choose "
+        "k per step from the live acceptance rate and measured costs",
+    )
+    gen.add_argument(
+        "--ngram-max",
+        type=int,
+        default=4,
+        help="ngram: longest suffix matched against earlier text",
+    )
+    gen.add_argument(
+        "--ngram-min",
+        type=int,
+        default=2,
+        help="ngram: shortest suffix matched against earlier text",
+    )
+    gen.add_argument(
+        "--skip-layers",
+        type=_int_list,
+        default=None,
+        metavar="I,J,...",
+        help="layer-skip: target layers to skip when drafting "
+        "(default: chosen by a one-pass calibration)",
+    )
+    gen.add_argument(
+        "--skip-ratio",
+        type=float,
+        default=0.5,
+        help="layer-skip: share of layers the calibration skips",
     )
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
     gen.add_argument(
@@ -139,6 +167,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _k_value(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use an integer 0..64 or 'auto'") from None
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: use 0..64 or 'auto'")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated layer indices") from None
+
+
+def _proposer_options(args: argparse.Namespace) -> dict[str, object]:
+    if args.method == "ngram":
+        return {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min}
+    if args.method == "layer-skip":
+        return {"skip_layers": args.skip_layers, "skip_ratio": args.skip_ratio}
+    return {}
+
+
 def _print_help(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
     return 0
@@ -169,15 +224,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
     )
-    if args.num_speculative_tokens < 0:
-        raise CliError(f"--num-speculative-tokens={args.num_speculative_tokens}: use >= 0")
     progress = not args.json or sys.stderr.isatty()
     target = load_model(args.target, dtype=args.dtype, progress=progress)
     draft = None
     if args.method == "draft":
         draft = load_model(args.draft, dtype=args.draft_dtype, progress=progress)
     engine = Engine(
-        target, draft=draft, method=args.method, num_speculative_tokens=args.num_speculative_tokens
+        target,
+        draft=draft,
+        method=args.method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        proposer_options=_proposer_options(args),
     )
     tok = target.tokenizer
     if tok is None:

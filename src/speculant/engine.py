@@ -17,9 +17,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from speculant.adaptive import AdaptiveK, FixedK
 from speculant.models.model import Model
 from speculant.proposers import Draft, Proposer, make_proposer
 from speculant.rejection import verify_chain
@@ -122,19 +124,16 @@ class Engine:
         *,
         method: str | None = None,
         proposer: Proposer | None = None,
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int | str = 5,
         max_seq_len: int | None = None,
+        proposer_options: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(num_speculative_tokens, int) or not 0 <= num_speculative_tokens <= 64:
-            raise ValueError(
-                f"num_speculative_tokens={num_speculative_tokens!r} is out of range: use 0..64"
-            )
         self.target = target
         if proposer is None:
             method = method or ("draft" if draft is not None else "none")
-            proposer = make_proposer(method, target=target, draft=draft)
+            proposer = make_proposer(method, target=target, draft=draft, **(proposer_options or {}))
         self.proposer = proposer
-        self.num_speculative_tokens = 0 if proposer.name == "none" else num_speculative_tokens
+        self.policy = _policy(num_speculative_tokens, plain=proposer.name == "none")
         limit = target.config.max_seq_len
         if draft is not None:
             limit = min(limit, draft.config.max_seq_len)
@@ -143,6 +142,10 @@ class Engine:
                 raise ValueError(f"max_seq_len={max_seq_len} is out of range: use 2..{limit}")
             limit = max_seq_len
         self.max_seq_len = limit
+
+    @property
+    def num_speculative_tokens(self) -> int | str:
+        return self.policy.k if isinstance(self.policy, FixedK) else "auto"
 
     @property
     def method(self) -> str:
@@ -189,24 +192,30 @@ class Engine:
         text = _TextTracker(self.target, params.stop)
         output: list[int] = []
         finish = "length"
+        tokens = list(prompt)
         self.proposer.begin(prompt, capacity)
         try:
             self.target.prefill(prompt[:-1], cache)
-            tokens = list(prompt)
             done = False
             while not done:
                 budget = min(params.max_tokens - len(output), capacity - len(tokens) + 1)
                 if budget <= 0:
                     break
-                k = min(self.num_speculative_tokens, budget - 1)
+                k = self.policy.choose(budget - 1)
+                t_draft = time.perf_counter()
                 draft = self.proposer.propose(tokens, k, params, generator) if k > 0 else Draft([])
                 draft_ids = draft.token_ids[:k]
                 q = draft.q_probs[:k] if draft.q_probs is not None else None
                 start = len(tokens) - 1
+                t_verify = time.perf_counter()
                 logits = self.target.forward([tokens[-1], *draft_ids], cache, start)
                 p_target = process_logits(logits, params)  # [k'+1, vocab]
                 verdict = verify_chain(draft_ids, q, p_target, generator)
                 cache.truncate(len(tokens) + verdict.num_accepted)  # the one rollback
+                t_done = time.perf_counter()
+                self.policy.observe(
+                    len(draft_ids), verdict.num_accepted, t_verify - t_draft, t_done - t_verify
+                )
                 stats.record(len(draft_ids), verdict.num_accepted)
                 committed: list[int] = []
                 for token in verdict.token_ids:
@@ -229,10 +238,21 @@ class Engine:
             if tail:
                 yield StreamChunk([], tail)
         finally:
-            self.proposer.end()
+            self.proposer.end(tokens)
         stats.num_generated = len(output)
         stats.elapsed_s = time.perf_counter() - t0
         stream.result = GenerationResult(output, text.final_text(), finish, stats)
+
+
+def _policy(k: int | str, plain: bool) -> FixedK | AdaptiveK:
+    """num_speculative_tokens: an integer 0..64, or "auto" (chosen per step)."""
+    if plain:
+        return FixedK(0)
+    if k == "auto":
+        return AdaptiveK()
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+        raise ValueError(f"num_speculative_tokens={k!r} is out of range: use 0..64 or 'auto'")
+    return FixedK(k)
 
 
 class _TextTracker:

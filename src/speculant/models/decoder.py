@@ -175,11 +175,14 @@ class Transformer:
         *,
         logits: bool = True,
         return_hidden: bool = False,
+        trace: list[Tensor] | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Run tokens [T] at positions start .. start+T-1.
 
         Returns (logits [T, vocab] float32 or None, hidden [T, dim] or None); the hidden
         state is the final-normed feature the LM head reads. Sets cache.length = start+T.
+        `trace`, when given, receives the residual stream [T, dim] before the first layer
+        and after each layer (layer-skip calibration reads it).
         """
         c = self.config
         n_real = tokens.shape[0]
@@ -207,6 +210,8 @@ class Transformer:
         )
         full_cs = self._rope_full[:, start:end]
         local_cs = self._rope_local[:, start:end]
+        if trace is not None:
+            trace.append(x[:n_real])
         for i, lw in enumerate(w.layers):
             sliding = c.is_sliding(i)
             cs = local_cs if sliding else full_cs
@@ -220,6 +225,8 @@ class Transformer:
             if lw.post_ffn_norm is not None:
                 h = rms_norm(h, lw.post_ffn_norm, c.norm_eps)
             x = x + h
+            if trace is not None:
+                trace.append(x[:n_real])
         cache.length = start + n_real
         hidden = rms_norm(x, w.norm, c.norm_eps)  # [T, dim]
         out_logits = None

@@ -51,7 +51,8 @@ class Proposer(Protocol):
         up to k tokens that follow it, sampling from the processed q under `params` with
         `generator` when the proposer is stochastic. The proposer brings its own state in
         step with `context` itself (rolling back what the target rejected).
-    end: the request is over; release per-request state.
+    end: the request is over; `tokens` is every committed token (prompt + output).
+        Release per-request state (a proposer may keep what it learned across requests).
     """
 
     name: str
@@ -66,7 +67,7 @@ class Proposer(Protocol):
         generator: torch.Generator,
     ) -> Draft: ...
 
-    def end(self) -> None: ...
+    def end(self, tokens: Sequence[int]) -> None: ...
 
 
 class NoProposer:
@@ -86,7 +87,7 @@ class NoProposer:
     ) -> Draft:
         return EMPTY_DRAFT
 
-    def end(self) -> None:
+    def end(self, tokens: Sequence[int]) -> None:
         return None
 
 

@@ -68,7 +68,7 @@ class DraftModelProposer:
         self._cache = self.model.new_cache(capacity + 16)
         self._cached_ids = []
 
-    def end(self) -> None:
+    def end(self, tokens: Sequence[int] = ()) -> None:
         self._cache = None
         self._cached_ids = []
 

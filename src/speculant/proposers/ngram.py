@@ -1,0 +1,90 @@
+"""Prompt lookup: draft what followed the most recent earlier occurrence of the last n
+tokens (n from ngram_max down to ngram_min), in the prompt and the output so far.
+
+No model, so no distribution: the drafts are a point mass q = one_hot(x). The engine's
+rule then accepts x with probability p(x) and, on rejection, draws from p with x
+removed and renormalised: exactly the target's distribution, so this stays lossless.
+
+An index from each n-gram to the positions where it ends is updated incrementally as
+committed tokens arrive, so a lookup costs O(ngram_max) whatever the context length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from speculant.proposers.base import Draft, register
+from speculant.sampling import SamplingParams
+
+
+@register("ngram")
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(
+        self,
+        target: Any = None,
+        draft: Any = None,
+        *,
+        ngram_max: int = 4,
+        ngram_min: int = 2,
+        **_: Any,
+    ) -> None:
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(
+                f"ngram_min={ngram_min}, ngram_max={ngram_max}: need 1 <= ngram_min <= ngram_max"
+            )
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+        self._tokens: list[int] = []
+        # (n-gram) -> end position (exclusive) of its latest occurrence, and of the one
+        # before it: the suffix itself is always the latest, so lookups use the earlier.
+        self._last: dict[tuple[int, ...], int] = {}
+        self._prev: dict[tuple[int, ...], int] = {}
+
+    def begin(self, prompt_ids: Sequence[int], capacity: int) -> None:
+        self._tokens = []
+        self._last.clear()
+        self._prev.clear()
+
+    def end(self, tokens: Sequence[int] = ()) -> None:
+        self.begin((), 0)
+
+    def _extend(self, context: Sequence[int]) -> None:
+        start = len(self._tokens)
+        if list(context[: min(start, len(context))]) != self._tokens[: len(context)]:
+            self.begin((), 0)  # a different sequence: rebuild (the engine never does this)
+            start = 0
+        for pos in range(start, len(context)):
+            self._tokens.append(int(context[pos]))
+            end = pos + 1
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if end < n:
+                    break
+                gram = tuple(self._tokens[end - n : end])
+                if gram in self._last:
+                    self._prev[gram] = self._last[gram]
+                self._last[gram] = end
+
+    def propose(
+        self,
+        context: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Draft:
+        if k <= 0:
+            return Draft([])
+        self._extend(context)
+        toks = self._tokens
+        for n in range(min(self.ngram_max, len(toks)), self.ngram_min - 1, -1):
+            gram = tuple(toks[-n:])
+            end = self._prev.get(gram)
+            if end is not None:
+                continuation = toks[end : end + k]
+                if continuation:
+                    return Draft(list(continuation))
+        return Draft([])
