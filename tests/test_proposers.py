@@ -144,3 +144,17 @@ def test_adaptive_k_balances_costly_drafts() -> None:
         policy.observe(k, accepted, 0.07 * k, 0.2)
     best = max(range(9), key=lambda k: sum(0.7**j for j in range(k + 1)) / (0.2 + 0.07 * k))
     assert abs(sorted(policy.history[-100:])[50] - best) <= 1
+
+
+def test_adaptive_k_estimates_conditional_acceptance_without_bias() -> None:
+    """Positions after the first rejection are not judged, so they must not count as
+    tried: with 90% conditional acceptance every position should read about 0.9."""
+    policy = AdaptiveK(k_max=8, decay=1.0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(600):
+        k = 8
+        accepted = 0
+        while accepted < k and float(torch.rand(1, generator=g)) < 0.9:
+            accepted += 1
+        policy.observe(k, accepted, 0.01 * k, 0.2)
+    assert all(abs(r - 0.9) < 0.05 for r in policy.rates()[:5]), policy.rates()

@@ -50,9 +50,17 @@ class AdaptiveK:
         self.accepted = [0.0] * self.k_max
 
     def rates(self) -> list[float]:
-        """Conditional acceptance per position, smoothed towards the prior."""
-        w, r = self.prior_weight, self.prior_rate
-        return [(a + w * r) / (t + w) for a, t in zip(self.accepted, self.tried, strict=True)]
+        """Conditional acceptance per position. Each position is smoothed towards the
+        estimate of the position before it, so positions rarely tried (beyond the k
+        chosen so far) inherit the measured rate instead of a fixed prior: a pessimistic
+        prior there would keep k small for ever, since untried positions never update."""
+        w = self.prior_weight
+        out: list[float] = []
+        previous = self.prior_rate
+        for a, t in zip(self.accepted, self.tried, strict=True):
+            previous = (a + w * previous) / (t + w)
+            out.append(previous)
+        return out
 
     def _verify_cost(self, width: int) -> float:
         known = self.verify_s
@@ -101,7 +109,8 @@ class AdaptiveK:
         for j in range(self.k_max):
             self.tried[j] *= self.decay
             self.accepted[j] *= self.decay
-        for j in range(min(drafted, self.k_max)):
+        # Verification stops at the first rejection: positions past it were not judged.
+        for j in range(min(drafted, accepted + 1, self.k_max)):
             self.tried[j] += 1.0
             if j < accepted:
                 self.accepted[j] += 1.0
