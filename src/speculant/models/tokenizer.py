@@ -23,9 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
-import mmap
 import os
-import struct
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
@@ -762,73 +760,12 @@ def _write_cache(
 # ----------------------------------------------------------- GGUF metadata
 
 
-_GGUF_SCALARS: dict[int, tuple[str, int]] = {
-    0: ("<B", 1),
-    1: ("<b", 1),
-    2: ("<H", 2),
-    3: ("<h", 2),
-    4: ("<I", 4),
-    5: ("<i", 4),
-    6: ("<f", 4),
-    7: ("<?", 1),
-    10: ("<Q", 8),
-    11: ("<q", 8),
-    12: ("<d", 8),
-}
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-
-
 def read_gguf_metadata(path: str | Path, string_arrays: bool = False) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (v2/v3), without touching tensor data.
+    """The key/value metadata of a GGUF file, without touching tensor data. String
+    arrays are returned as lists when ``string_arrays`` is set, else as their length."""
+    from speculant.models.gguf_file import GGUFError, read_gguf
 
-    Numeric arrays are returned as lists; string arrays as lists when ``string_arrays`` is set,
-    else as their length (an int).
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise TokenizerError(f"{path} is not a GGUF file")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise TokenizerError(f"{path}: unsupported GGUF version {version}")
-        pos = 24
-
-        def read_str(p: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", buf, p)
-            p += 8
-            return buf[p : p + n].decode("utf-8", errors="replace"), p + n
-
-        def read_value(p: int, vtype: int) -> tuple[Any, int]:
-            if vtype in _GGUF_SCALARS:
-                fmt, width = _GGUF_SCALARS[vtype]
-                return struct.unpack_from(fmt, buf, p)[0], p + width
-            if vtype == _GGUF_STRING:
-                return read_str(p)
-            if vtype == _GGUF_ARRAY:
-                etype, count = struct.unpack_from("<IQ", buf, p)
-                p += 12
-                if etype in _GGUF_SCALARS:
-                    fmt, width = _GGUF_SCALARS[etype]
-                    vals = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, p))
-                    return vals, p + count * width
-                if etype == _GGUF_STRING:
-                    out: list[str] = []
-                    for _ in range(count):
-                        (n,) = struct.unpack_from("<Q", buf, p)
-                        if string_arrays:
-                            out.append(buf[p + 8 : p + 8 + n].decode("utf-8", errors="replace"))
-                        p += 8 + n
-                    return (out if string_arrays else count), p
-                items = []
-                for _ in range(count):
-                    v, p = read_value(p, etype)
-                    items.append(v)
-                return items, p
-            raise TokenizerError(f"{path}: unknown GGUF value type {vtype}")
-
-        result: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, pos = read_str(pos)
-            (vtype,) = struct.unpack_from("<I", buf, pos)
-            result[key], pos = read_value(pos + 4, vtype)
-        return result
+    try:
+        return read_gguf(path, string_arrays=string_arrays).metadata
+    except GGUFError as exc:
+        raise TokenizerError(str(exc)) from exc
