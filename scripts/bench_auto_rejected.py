@@ -6,6 +6,7 @@ just before and after in the same process.
 """
 
 import statistics
+
 from speculant import Engine, SamplingParams, load_model
 
 t = load_model("qwen2.5-coder-1.5b-instruct", progress=False)
