@@ -16,7 +16,8 @@ ids = tok.encode(
         [
             {
                 "role": "user",
-                "content": "Write a short, surprising story about a lighthouse keeper and a migrating whale.",
+                "content": "Write a short, surprising story about a lighthouse keeper "
+                "and a migrating whale.",
             }
         ]
     ),
