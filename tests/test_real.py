@@ -145,3 +145,35 @@ def test_converted_weight_cache_roundtrip(dtype: str) -> None:
     a, _ = first.net.forward(ids, first.new_cache(64), 0)
     b, _ = net.forward(ids, net.new_cache(64), 0)
     assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_flipped_byte_is_refused(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from speculant.models import registry
+
+    src = real_model_path("smollm2-135m-instruct")
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    dest = registry.model_path("smollm2-135m-instruct")
+    dest.parent.mkdir(parents=True)
+    shutil.copyfile(src, dest)
+    assert registry.check_integrity(dest, progress=False) is True  # the intact copy passes
+    data = bytearray(dest.read_bytes())
+    data[-100] ^= 0x01
+    dest.write_bytes(bytes(data))
+    with pytest.raises(registry.IntegrityError, match="fails its integrity check") as err:
+        load_model("smollm2-135m-instruct", progress=False)
+    assert registry.KNOWN_MODELS["smollm2-135m-instruct"].sha256 in str(err.value)
+    assert str(dest) in str(err.value)
+    # The explicit escape hatch loads it (logged), and a file nothing vouches for loads too.
+    assert load_model("smollm2-135m-instruct", progress=False, trust_unverified=True)
+    loose = tmp_path / "elsewhere" / "model.gguf"
+    loose.parent.mkdir()
+    shutil.copyfile(dest, loose)
+    assert registry.check_integrity(loose, progress=False) is False
+    # A manifest beside a loose file vouches for it, and is checked.
+    (loose.parent / "manifest.json").write_text(
+        json.dumps({"file": "model.gguf", "sha256": "0" * 64})
+    )
+    with pytest.raises(registry.IntegrityError, match="manifest.json"):
+        load_model(loose, progress=False)

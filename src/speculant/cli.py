@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON object (text, token_ids, finish_reason, stats)",
     )
+    gen.add_argument(
+        "--trust-unverified",
+        action="store_true",
+        help="load model files that fail their SHA-256 check (logged)",
+    )
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.set_defaults(func=cmd_generate)
 
@@ -225,10 +230,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     progress = not args.json or sys.stderr.isatty()
-    target = load_model(args.target, dtype=args.dtype, progress=progress)
+    trust = args.trust_unverified
+    target = load_model(args.target, dtype=args.dtype, progress=progress, trust_unverified=trust)
     draft = None
     if args.method == "draft":
-        draft = load_model(args.draft, dtype=args.draft_dtype, progress=progress)
+        draft = load_model(
+            args.draft, dtype=args.draft_dtype, progress=progress, trust_unverified=trust
+        )
     engine = Engine(
         target,
         draft=draft,

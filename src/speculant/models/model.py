@@ -96,17 +96,23 @@ def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, bool]:
 
 
 def load_model(
-    name_or_path: str | Path, dtype: str | torch.dtype = "bfloat16", progress: bool = True
+    name_or_path: str | Path,
+    dtype: str | torch.dtype = "bfloat16",
+    progress: bool = True,
+    trust_unverified: bool = False,
 ) -> Model:
-    """Load a registry name (pulled on first use), a .gguf file or a Hugging Face folder."""
+    """Load a registry name (pulled on first use), a .gguf file or a Hugging Face folder.
+
+    A GGUF file that the registry or a manifest.json beside it vouches for is checked
+    against that SHA-256 before loading; a mismatch is refused unless trust_unverified."""
     torch_dtype, int8 = parse_dtype(dtype)
     path = Path(name_or_path).expanduser()
     if path.exists():
-        return _load_path(path, torch_dtype, int8, progress, name=path.name)
+        return _load_path(path, torch_dtype, int8, progress, path.name, trust_unverified)
     text = str(name_or_path)
     if text in registry.KNOWN_MODELS:
         gguf_path = registry.pull(text, progress=progress)
-        return _load_path(gguf_path, torch_dtype, int8, progress, name=text)
+        return _load_path(gguf_path, torch_dtype, int8, progress, text, trust_unverified)
     if text.endswith(".gguf") or "/" in text or text.startswith("."):
         raise ModelLoadError(f"model file or folder {text!r} does not exist")
     known = ", ".join(sorted(registry.KNOWN_MODELS))
@@ -116,7 +122,9 @@ def load_model(
     )
 
 
-def _load_path(path: Path, dtype: torch.dtype, int8: bool, progress: bool, name: str) -> Model:
+def _load_path(
+    path: Path, dtype: torch.dtype, int8: bool, progress: bool, name: str, trust: bool
+) -> Model:
     t0 = time.perf_counter()
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
@@ -126,6 +134,7 @@ def _load_path(path: Path, dtype: torch.dtype, int8: bool, progress: bool, name:
         config, weights = load_hf_dir(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.suffix == ".gguf":
+        registry.check_integrity(path, trust_unverified=trust, progress=progress)
         label = weight_cache.dtype_label(dtype, int8)
         cached = weight_cache.load(path, label)
         if cached is not None:

