@@ -25,14 +25,6 @@ class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speculant",
@@ -106,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
     gen.add_argument(
         "--temperature",
-        type=_non_negative_float,
+        type=float,
         default=0.0,
         help="0 = greedy; otherwise the sampling temperature",
     )

@@ -40,8 +40,7 @@ class GenerationStats:
     num_generated: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # [max k drafted]
     target_forwards: int = 0
     elapsed_s: float = 0.0
     time_to_first_token_s: float = 0.0
@@ -64,13 +63,10 @@ class GenerationStats:
         self.target_forwards += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
-        while len(self.drafted_per_position) < num_drafted:
-            self.drafted_per_position.append(0)
-            self.accepted_per_position.append(0)
-        for j in range(num_drafted):
-            self.drafted_per_position[j] += 1
-            if j < num_accepted:
-                self.accepted_per_position[j] += 1
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position.extend([0] * (num_drafted - len(self.accepted_per_position)))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -256,35 +252,46 @@ def _policy(k: int | str, plain: bool) -> FixedK | AdaptiveK:
 
 
 class _TextTracker:
-    """Decoded output text, stop-string detection, and what is safe to stream so far."""
+    """Decoded output text, stop-string detection, and what is safe to stream so far.
+
+    The text is decoded once per step (when it is released), or once per token only
+    when stop strings must be checked token by token."""
 
     def __init__(self, model: Model, stop: tuple[str, ...]) -> None:
         self.tokenizer = model.tokenizer
         self.stop = stop
         self.ids: list[int] = []
-        self.text = ""
+        self._text = ""
+        self._decoded = 0  # len(ids) when _text was decoded
         self.cut: int | None = None  # index of a found stop string
         self.released = 0
         if stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this model has none")
 
+    @property
+    def text(self) -> str:
+        if self._decoded != len(self.ids) and self.tokenizer is not None:
+            self._text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            self._decoded = len(self.ids)
+        return self._text
+
     def push(self, token: int) -> bool:
         """Add a token; True when a stop string is now complete."""
-        if self.tokenizer is None:
-            return False
         self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if self.stop:
-            window = max(len(s) for s in self.stop) + 16
-            lo = max(0, len(self.text) - window - 16)
-            hits = [i for s in self.stop if (i := self.text.find(s, lo)) >= 0]
-            if hits:
-                self.cut = min(hits)
-                return True
+        if not self.stop:
+            return False
+        text = self.text
+        # A new token can only complete a stop string that ends in its own text.
+        lo = max(0, len(text) - max(len(s) for s in self.stop) - 32)
+        hits = [i for s in self.stop if (i := text.find(s, lo)) >= 0]
+        if hits:
+            self.cut = min(hits)
+            return True
         return False
 
     def final_text(self) -> str:
-        return self.text if self.cut is None else self.text[: self.cut]
+        text = self.text
+        return text if self.cut is None else text[: self.cut]
 
     def release(self, final: bool) -> str:
         """Text that can no longer change: hold back an incomplete UTF-8 character and any

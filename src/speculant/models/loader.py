@@ -43,15 +43,16 @@ def _assemble(
             raise ModelLoadError(f"tensor {name!r} is missing")
         return t
 
-    def opt(role: str, i: int | None = None) -> Tensor | None:
-        return get(names[role].format(i=i)) if role in names else None
-
     def cast(t: Tensor) -> Tensor:
         return t.to(dtype).contiguous()
 
+    def opt(role: str, i: int | None = None, wanted: bool = True) -> Tensor | None:
+        t = get(names[role].format(i=i)) if wanted and role in names else None
+        return None if t is None else cast(t)
+
     emb = cast(need("embed"))
-    out = opt("output")
-    output = emb if out is None or config.tie_embeddings else cast(out)
+    out = opt("output", wanted=not config.tie_embeddings)
+    output = emb if out is None else out
     layers = []
     for i in range(config.n_layers):
         q, k, v = need("q", i), need("k", i), need("v", i)
@@ -59,10 +60,6 @@ def _assemble(
         if config.qkv_bias:
             bias = cast(torch.cat([need("q_bias", i), need("k_bias", i), need("v_bias", i)]))
         gate, up = need("gate", i), need("up", i)
-        post_attn = opt("post_attn_norm", i) if config.sandwich_norm else None
-        post_ffn = opt("post_ffn_norm", i) if config.sandwich_norm else None
-        q_norm = opt("q_norm", i) if config.qk_norm else None
-        k_norm = opt("k_norm", i) if config.qk_norm else None
         layers.append(
             LayerWeights(
                 attn_norm=cast(need("attn_norm", i)),
@@ -72,10 +69,10 @@ def _assemble(
                 w_gate_up=cast(torch.cat([gate, up])),
                 w_down=cast(need("down", i)),
                 bqkv=bias,
-                q_norm=None if q_norm is None else cast(q_norm),
-                k_norm=None if k_norm is None else cast(k_norm),
-                post_attn_norm=None if post_attn is None else cast(post_attn),
-                post_ffn_norm=None if post_ffn is None else cast(post_ffn),
+                q_norm=opt("q_norm", i, config.qk_norm),
+                k_norm=opt("k_norm", i, config.qk_norm),
+                post_attn_norm=opt("post_attn_norm", i, config.sandwich_norm),
+                post_ffn_norm=opt("post_ffn_norm", i, config.sandwich_norm),
             )
         )
     return Weights(tok_embeddings=emb, norm=cast(need("norm")), output=output, layers=layers)

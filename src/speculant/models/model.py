@@ -45,7 +45,7 @@ class Model:
         self.net = net
         self.tokenizer = tokenizer
         self.source = source
-        self.int8 = any(isinstance(t, Int8Weight) for t in (net.weights.output,))
+        self.int8 = isinstance(net.weights.output, Int8Weight)
 
     def __repr__(self) -> str:
         c = self.config

@@ -62,11 +62,13 @@ class DraftModelProposer:
         self.model = draft
         self._cache: KVCache | None = None
         self._cached_ids: list[int] = []  # ids whose keys/values are in the cache, in order
+        self._committed = 0  # leading cached ids known to be committed (never rolled back)
 
     def begin(self, prompt_ids: Sequence[int], capacity: int) -> None:
         # Room for the context plus the drafts fed after it.
         self._cache = self.model.new_cache(capacity + 16)
         self._cached_ids = []
+        self._committed = 0
 
     def end(self, tokens: Sequence[int] = ()) -> None:
         self._cache = None
@@ -75,8 +77,11 @@ class DraftModelProposer:
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Make the cache hold context[:-1] and feed context[-1]: its logits [vocab]."""
         assert self._cache is not None, "begin() was not called"
-        keep = 0
         limit = min(len(self._cached_ids), len(context) - 1)
+        keep = min(self._committed, limit)
+        if keep and self._cached_ids[keep - 1] != context[keep - 1]:
+            keep = 0  # not the request we were following: compare from the start
+        # Only the drafts after the committed prefix can differ from the context.
         while keep < limit and self._cached_ids[keep] == context[keep]:
             keep += 1
         self._cache.truncate(keep)  # roll back rejected drafts
@@ -86,6 +91,7 @@ class DraftModelProposer:
             self.model.prefill(missing[:-1], self._cache, keep)
         logits = self.model.forward(missing[-1:], self._cache, len(context) - 1)
         self._cached_ids.extend(missing)
+        self._committed = len(context)
         return logits[-1]
 
     def propose(

@@ -55,8 +55,10 @@ class NgramProposer:
 
     def _extend(self, context: Sequence[int]) -> None:
         start = len(self._tokens)
-        if list(context[: min(start, len(context))]) != self._tokens[: len(context)]:
-            self.begin((), 0)  # a different sequence: rebuild (the engine never does this)
+        # Committed tokens never change within a request, so checking the boundary token
+        # suffices; anything else is a different sequence: rebuild (the engine never does).
+        if len(context) < start or (start and context[start - 1] != self._tokens[-1]):
+            self.begin((), 0)
             start = 0
         for pos in range(start, len(context)):
             self._tokens.append(int(context[pos]))
