@@ -291,3 +291,15 @@ def test_cli_bench_end_to_end(pair: tuple[Model, Model], tmp_path: Path) -> None
     data = json.loads((out / "results.json").read_text())
     assert [r["method"] for r in data["rows"]] == ["none", "ngram:5"]
     assert data["meta"]["command"].startswith("speculant ")
+
+
+def test_peer_limit_runs_peers_on_a_subset(pair: tuple[Model, Model]) -> None:
+    target, _ = pair
+    config = BenchConfig(
+        methods=["ngram:2"], peers=["transformers"], peer_limit=1, max_tokens=4, ignore_eos=True
+    )
+    res = run_bench(target, None, config, workloads=[TINY_WORKLOAD])
+    rows = {r["method"]: r for r in res.rows}
+    assert rows["ngram:2"]["prompts"] == 2
+    assert rows["transformers"]["prompts"] == 1 and rows["transformers"]["speedup"] > 0
+    assert res.meta["peer_limit"] == 1

@@ -90,3 +90,33 @@ def test_int8_weights_stay_close_to_bf16(tiny_root) -> None:  # type: ignore[no-
     b = quant.forward(ids, quant.new_cache(32), 0)
     assert (a - b).abs().max() < 0.1 * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_batched_pass_is_bitwise_solo(dtype: str, arch: str, tiny_root) -> None:  # type: ignore[no-untyped-def]
+    """Sequences of different lengths at different positions in one batched pass get
+    exactly the logits (and caches) they get alone: what lets the server batch greedy
+    requests without changing any of them."""
+    m = tiny_model(tiny_root, arch, seed=5, dtype=dtype)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, m.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 20)]
+    steps = [3, 1, 6]  # rows each sequence runs in the batched pass
+    solo, solo_caches = [], []
+    for ids, n in zip(prompts, steps, strict=True):
+        cache = m.new_cache(40)
+        m.prefill(ids[:-n], cache)
+        solo.append(m.forward(ids[-n:], cache, len(ids) - n))
+        solo_caches.append(cache)
+    caches = []
+    for ids, n in zip(prompts, steps, strict=True):
+        cache = m.new_cache(40)
+        m.prefill(ids[:-n], cache)
+        caches.append(cache)
+    batched = m.forward_batch(
+        [(ids[-n:], c, len(ids) - n) for ids, n, c in zip(prompts, steps, caches, strict=True)]
+    )
+    for a, b, ca, cb in zip(solo, batched, solo_caches, caches, strict=True):
+        assert torch.equal(a, b)
+        assert ca.length == cb.length
+        assert torch.equal(ca.k[:, :, :, : ca.length], cb.k[:, :, :, : cb.length])

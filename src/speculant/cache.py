@@ -35,7 +35,7 @@ class KVCache:
         head_dim: int,
         capacity: int,
         dtype: torch.dtype,
-        slack: int = 8,
+        slack: int = 16,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"cache capacity={capacity} must be >= 1")

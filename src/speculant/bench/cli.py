@@ -108,6 +108,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="comma-separated peers or groups (all, hf, llama); default none",
     )
     p.add_argument("--limit", type=_positive, default=None, help="prompts per workload (all: 10)")
+    p.add_argument(
+        "--peer-limit",
+        type=_positive,
+        default=None,
+        help="prompts per workload for the peers (default: as --limit); speedups stay "
+        "per-prompt against our baseline on the same prompts",
+    )
     p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per generation")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check)")
     p.add_argument("--top-k", type=int, default=0)
@@ -191,6 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ks=args.k,
         peers=args.peers,
         limit=args.limit,
+        peer_limit=args.peer_limit,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,

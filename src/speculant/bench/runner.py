@@ -122,6 +122,7 @@ class BenchConfig:
     ks: list[int | str] = field(default_factory=lambda: [5])
     peers: list[str] = field(default_factory=list)  # peer names or groups (all, hf, llama)
     limit: int | None = None  # prompts per workload
+    peer_limit: int | None = None  # prompts per workload for the peers (None: as `limit`)
     max_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
@@ -292,7 +293,10 @@ def run_bench(
         ignore_eos=cfg.ignore_eos,
     )
     total_turns = sum(len(p.turns) for w in wls for p in w.prompts)
-    sink.start(total_turns * (len(specs) + len(peer_specs)))
+    peer_turns = sum(
+        len(p.turns) for w in wls for p in w.limited(cfg.peer_limit).prompts if peer_specs
+    )
+    sink.start(total_turns * len(specs) + peer_turns * len(peer_specs))
 
     # Our engines, built once (layer-skip calibrates here) and warmed up.
     engines: dict[str, tuple[Engine, Any]] = {}
@@ -368,9 +372,10 @@ def run_bench(
     sampling = PeerSampling(
         cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, eos, cfg.ignore_eos
     )
-    max_context = max((len(i) for ids in prompt_ids.values() for i in ids), default=64)
+    peer_prompts = _peer_prompts(prompt_ids, cfg.peer_limit)
+    max_context = max((len(i) for ids in peer_prompts.values() for i in ids), default=64)
     max_context = max_context + cfg.max_tokens + 64
-    n_runs = sum(len(ids) for ids in prompt_ids.values())
+    n_runs = sum(len(ids) for ids in peer_prompts.values())
     for pspec in peer_specs:
         try:
             t0 = time.perf_counter()
@@ -387,7 +392,7 @@ def run_bench(
         try:
             if cfg.warmup:
                 peer.generate(warm_ids, PeerSampling(4, eos=eos))
-            for key, turns in prompt_ids.items():
+            for key, turns in peer_prompts.items():
                 sample = Sample(key[0], key[1], pspec.label, "peer")
                 for ids in turns:
                     with measured(energy, memory) as usage:
@@ -417,6 +422,22 @@ def run_bench(
     meta = _meta(target, draft, cfg, wls, specs, peer_specs, energy, memory, command)
     meta["duration_s"] = time.time() - started
     return BenchResult(meta, rows, [s.to_dict() for s in samples], skipped, failures)
+
+
+def _peer_prompts(
+    prompt_ids: dict[tuple[str, str], list[list[int]]], peer_limit: int | None
+) -> dict[tuple[str, str], list[list[int]]]:
+    """The first `peer_limit` prompts of each workload (all when None): peers are slow,
+    and their per-prompt speedups stay comparable on a subset."""
+    if peer_limit is None:
+        return prompt_ids
+    seen: dict[str, int] = {}
+    out = {}
+    for key, ids in prompt_ids.items():
+        seen[key[0]] = seen.get(key[0], 0) + 1
+        if seen[key[0]] <= peer_limit:
+            out[key] = ids
+    return out
 
 
 def out_tok_s(out: Any) -> float:
@@ -708,6 +729,7 @@ def _meta(
         },
         "max_tokens": cfg.max_tokens,
         "limit": cfg.limit,
+        "peer_limit": cfg.peer_limit,
         "ks": list(cfg.ks),
         "methods": [s.label for s in specs],
         "peers": [p.label for p in peers],

@@ -4,13 +4,14 @@ Weights live in plain tensors (no autograd, no nn.Module machinery): the loaders
 `Weights` object, and `Transformer.forward` runs T new tokens at positions
 start .. start+T-1 against a `KVCache`.
 
-Numerics: CPU matmul kernels round differently by row count (bf16: 1 row vs >= 2 rows;
-fp32: rows inside a full tile of 4 vs a partial tile), and PyTorch's fused attention
-rounds differently by key length. A verify pass over k+1 rows and a plain step over one
-row would then disagree in the last bits and a near-tie argmax could flip, making greedy
-speculative output drift from plain output. So every pass is padded to a row count the
-kernels treat alike (`padded_rows`), and attention is written as two matmuls whose
-masked tail contributes exact zeros. Tests check the resulting bitwise invariance.
+Numerics: CPU matmul kernels round differently by row count (a matrix-vector kernel for
+one row, remainder paths for partial tiles; which counts agree depends on the CPU and
+the shapes), and PyTorch's fused attention rounds differently by key length. A verify
+pass over k+1 rows and a plain step over one row would then disagree in the last bits
+and a near-tie argmax could flip, making greedy speculative output drift from plain
+output. So every pass is padded to a row count the kernels treat alike (a rule measured
+on this machine for this model: see numerics.py), and attention is written as two
+matmuls whose masked tail contributes exact zeros. Tests check the bitwise invariance.
 """
 
 from __future__ import annotations
@@ -23,15 +24,7 @@ from torch import Tensor
 
 from speculant.cache import KVCache
 from speculant.models.config import ModelConfig
-
-# Row padding per dtype: (minimum rows, row multiple). See the module docstring.
-ROW_PADDING = {torch.float32: (4, 4), torch.bfloat16: (2, 1), torch.float16: (2, 1)}
-
-
-def padded_rows(n: int, dtype: torch.dtype) -> int:
-    least, multiple = ROW_PADDING.get(dtype, (1, 1))
-    n = max(n, least)
-    return -(-n // multiple) * multiple
+from speculant.models.numerics import Padding, calibrate, padded_rows
 
 
 @dataclass
@@ -123,6 +116,23 @@ class Weights:
             self.output = Int8Weight.quantize(self.output)
 
 
+@dataclass
+class Segment:
+    """One sequence's part of a batched pass: tokens [T] at positions start..start+T-1."""
+
+    tokens: Tensor  # [T] int64
+    cache: KVCache
+    start: int
+
+
+@dataclass
+class _SegmentContext:
+    causal: Tensor  # [rows, span] bool
+    window: Tensor  # [rows, span] bool (sliding-window layers)
+    rope_full: Tensor  # [2, rows, head_dim]
+    rope_local: Tensor  # [2, rows, head_dim]
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x: [..., d] -> [..., d]; computed in float32, returned in x's dtype."""
     xf = x.float()
@@ -153,6 +163,7 @@ class Transformer:
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self._row_padding: Padding | None = None
         n_pos = config.max_seq_len + 16
         self._rope_full = rope_tables(
             config.head_dim, config.rope_theta, n_pos, config.rope_scaling_factor
@@ -161,6 +172,13 @@ class Transformer:
         self._rope_local = (
             rope_tables(config.head_dim, local, n_pos).to(dtype) if local else self._rope_full
         )
+
+    @property
+    def row_padding(self) -> Padding:
+        """(least rows, row multiple) of every pass, measured once on first use."""
+        if self._row_padding is None:
+            self._row_padding = calibrate(self.config, self.weights, self.dtype)
+        return self._row_padding
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -184,39 +202,66 @@ class Transformer:
         `trace`, when given, receives the residual stream [T, dim] before the first layer
         and after each layer (layer-skip calibration reads it).
         """
+        out_logits, hidden = self.forward_batch(
+            [Segment(tokens, cache, start)],
+            logits=logits,
+            return_hidden=return_hidden,
+            trace=trace,
+        )
+        return (
+            out_logits[0] if out_logits is not None else None,
+            hidden[0] if hidden is not None else None,
+        )
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        segments: list[Segment],
+        *,
+        logits: bool = True,
+        return_hidden: bool = False,
+        trace: list[Tensor] | None = None,
+    ) -> tuple[list[Tensor] | None, list[Tensor] | None]:
+        """Run several sequences in one pass: each segment's tokens [T_i] at its own
+        positions against its own cache. The projections (where the weights are read)
+        see every segment's rows at once; attention runs per segment.
+
+        Each segment is padded on its own to `padded_rows`, so its rows sit in the same
+        kernel tiles as when it runs alone: a segment's logits are bitwise the same in a
+        batch and alone (tested). Returns per-segment logits [T_i, vocab] / hidden [T_i, dim].
+        """
         c = self.config
-        n_real = tokens.shape[0]
-        if start + n_real > cache.capacity:
-            raise ValueError(
-                f"positions up to {start + n_real} exceed the context capacity {cache.capacity}"
-            )
-        n_pad = padded_rows(n_real, self.dtype) - n_real
-        if n_pad:  # same-kernel padding, see the module docstring
-            tokens = torch.cat([tokens, tokens.new_zeros(n_pad)])
-        t = tokens.shape[0]
-        end = start + t
         w = self.weights
-        x = F.embedding(tokens, w.tok_embeddings)  # [T, dim]
+        parts: list[Tensor] = []
+        spans: list[tuple[int, int, int]] = []  # (row offset, padded rows, real rows)
+        offset = 0
+        for seg in segments:
+            n_real = seg.tokens.shape[0]
+            if seg.start + n_real > seg.cache.capacity:
+                raise ValueError(
+                    f"positions up to {seg.start + n_real} exceed the context capacity "
+                    f"{seg.cache.capacity}"
+                )
+            rows = padded_rows(n_real, self.row_padding)
+            tokens = seg.tokens
+            if rows > n_real:  # same-kernel padding, see the module docstring
+                tokens = torch.cat([tokens, tokens.new_zeros(rows - n_real)])
+            parts.append(tokens)
+            spans.append((offset, rows, n_real))
+            offset += rows
+        x = F.embedding(torch.cat(parts), w.tok_embeddings)  # [sum rows, dim]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=self.dtype)
-        span = cache.key_span(end)  # keys read by attention, block-rounded
-        q_pos = torch.arange(start, end)
-        k_pos = torch.arange(span)
-        causal = k_pos[None, :] <= q_pos[:, None]  # [T, span]
-        window = (
-            causal & (q_pos[:, None] - k_pos[None, :] < c.sliding_window)
-            if c.sliding_window
-            else causal
-        )
-        full_cs = self._rope_full[:, start:end]
-        local_cs = self._rope_local[:, start:end]
+        ctx = [
+            self._segment_context(seg, rows)
+            for seg, (_, rows, _) in zip(segments, spans, strict=True)
+        ]
         if trace is not None:
-            trace.append(x[:n_real])
+            trace.append(x[: spans[0][2]])
         for i, lw in enumerate(w.layers):
             sliding = c.is_sliding(i)
-            cs = local_cs if sliding else full_cs
             h = rms_norm(x, lw.attn_norm, c.norm_eps)
-            h = self._attention(h, lw, cache, i, start, cs[0], cs[1], window if sliding else causal)
+            h = self._attention(h, lw, i, sliding, segments, spans, ctx)
             if lw.post_attn_norm is not None:
                 h = rms_norm(h, lw.post_attn_norm, c.norm_eps)
             x = x + h
@@ -226,53 +271,75 @@ class Transformer:
                 h = rms_norm(h, lw.post_ffn_norm, c.norm_eps)
             x = x + h
             if trace is not None:
-                trace.append(x[:n_real])
-        cache.length = start + n_real
-        hidden = rms_norm(x, w.norm, c.norm_eps)  # [T, dim]
+                trace.append(x[: spans[0][2]])
+        for seg, (_, _, n_real) in zip(segments, spans, strict=True):
+            seg.cache.length = seg.start + n_real
+        hidden = rms_norm(x, w.norm, c.norm_eps)  # [sum rows, dim]
         out_logits = None
         if logits:
-            out_logits = linear(hidden, w.output).float()  # [T, vocab]
+            full = linear(hidden, w.output).float()  # [sum rows, vocab]
             if c.final_logit_softcap:
                 cap = c.final_logit_softcap
-                out_logits = torch.tanh(out_logits / cap) * cap
-            out_logits = out_logits[:n_real]
-        return out_logits, (hidden[:n_real] if return_hidden else None)
+                full = torch.tanh(full / cap) * cap
+            out_logits = [full[o : o + n] for o, _, n in spans]
+        hiddens = [hidden[o : o + n] for o, _, n in spans] if return_hidden else None
+        return out_logits, hiddens
+
+    def _segment_context(self, seg: Segment, rows: int) -> _SegmentContext:
+        """Masks and rotary tables of one segment's padded rows."""
+        c = self.config
+        start, end = seg.start, seg.start + rows
+        span = seg.cache.key_span(end)  # keys read by attention, block-rounded
+        q_pos = torch.arange(start, end)
+        k_pos = torch.arange(span)
+        causal = k_pos[None, :] <= q_pos[:, None]  # [rows, span]
+        window = (
+            causal & (q_pos[:, None] - k_pos[None, :] < c.sliding_window)
+            if c.sliding_window
+            else causal
+        )
+        return _SegmentContext(
+            causal, window, self._rope_full[:, start:end], self._rope_local[:, start:end]
+        )
 
     def _attention(
         self,
         x: Tensor,
         lw: LayerWeights,
-        cache: KVCache,
         layer: int,
-        start: int,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor,
+        sliding: bool,
+        segments: list[Segment],
+        spans: list[tuple[int, int, int]],
+        ctx: list[_SegmentContext],
     ) -> Tensor:
+        """x: [sum rows, dim] -> [sum rows, dim]; projections batched, attention per segment."""
         c = self.config
-        t = x.shape[0]
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
-        qkv = linear(x, lw.wqkv, lw.bqkv)  # [T, (nh + 2 nkv) hd]
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(t, nh, hd).transpose(0, 1)[None]  # [1, nh, T, hd]
-        k = k.view(t, nkv, hd).transpose(0, 1)[None]  # [1, nkv, T, hd]
-        v = v.view(t, nkv, hd).transpose(0, 1)[None]
-        if lw.q_norm is not None and lw.k_norm is not None:
-            q = rms_norm(q, lw.q_norm, c.norm_eps)
-            k = rms_norm(k, lw.k_norm, c.norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        cache.write(layer, start, k, v)
-        keys, values = cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
-        rep = nh // nkv
-        # Query heads grouped under their kv head: no copy of the keys for GQA.
-        qg = q[0].reshape(nkv, rep * t, hd)  # [nkv, rep*T, hd]
-        scores = torch.matmul(qg, keys[0].transpose(1, 2)) * c.scale  # [nkv, rep*T, span]
-        scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
-        probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
-        out = torch.matmul(probs, values[0])  # [nkv, rep*T, hd]
-        out = out.view(nh, t, hd).transpose(0, 1).reshape(t, nh * hd)
-        return linear(out, lw.wo)
+        qkv = linear(x, lw.wqkv, lw.bqkv)  # [sum rows, (nh + 2 nkv) hd]
+        outs = []
+        for seg, (o, t, _), sc in zip(segments, spans, ctx, strict=True):
+            q, k, v = qkv[o : o + t].split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q = q.view(t, nh, hd).transpose(0, 1)[None]  # [1, nh, T, hd]
+            k = k.view(t, nkv, hd).transpose(0, 1)[None]  # [1, nkv, T, hd]
+            v = v.view(t, nkv, hd).transpose(0, 1)[None]
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q = rms_norm(q, lw.q_norm, c.norm_eps)
+                k = rms_norm(k, lw.k_norm, c.norm_eps)
+            cs = sc.rope_local if sliding else sc.rope_full
+            q = apply_rope(q, cs[0], cs[1])
+            k = apply_rope(k, cs[0], cs[1])
+            seg.cache.write(layer, seg.start, k, v)
+            mask = sc.window if sliding else sc.causal
+            keys, values = seg.cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
+            rep = nh // nkv
+            # Query heads grouped under their kv head: no copy of the keys for GQA.
+            qg = q[0].reshape(nkv, rep * t, hd)  # [nkv, rep*T, hd]
+            scores = torch.matmul(qg, keys[0].transpose(1, 2)) * c.scale  # [nkv, rep*T, span]
+            scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
+            probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
+            out = torch.matmul(probs, values[0])  # [nkv, rep*T, hd]
+            outs.append(out.view(nh, t, hd).transpose(0, 1).reshape(t, nh * hd))
+        return linear(torch.cat(outs) if len(outs) > 1 else outs[0], lw.wo)
 
     def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:
         gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)

@@ -13,7 +13,7 @@ from torch import Tensor
 from speculant.cache import KVCache
 from speculant.models import registry, weight_cache
 from speculant.models.config import ModelConfig
-from speculant.models.decoder import Int8Weight, Transformer, Weights
+from speculant.models.decoder import Int8Weight, Segment, Transformer, Weights
 from speculant.models.loader import ModelLoadError, load_gguf, load_hf_dir
 from speculant.models.tokenizer import Tokenizer
 
@@ -70,6 +70,19 @@ class Model:
         """Logits [T, vocab] float32 for tokens at positions start .. start+T-1."""
         tokens = torch.as_tensor(token_ids, dtype=torch.long)
         logits, _ = self.net.forward(tokens, cache, start)
+        assert logits is not None
+        return logits
+
+    def forward_batch(
+        self, batch: Sequence[tuple[Sequence[int], KVCache, int]]
+    ) -> list[Tensor]:
+        """Several sequences in one pass: (token_ids, cache, start) each, logits
+        [T_i, vocab] float32 each; bitwise the same as running each alone."""
+        segments = [
+            Segment(torch.as_tensor(list(ids), dtype=torch.long), cache, start)
+            for ids, cache, start in batch
+        ]
+        logits, _ = self.net.forward_batch(segments)
         assert logits is not None
         return logits
 

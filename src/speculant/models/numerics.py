@@ -1,0 +1,143 @@
+"""Row padding that makes a token's logits independent of how many rows share its pass.
+
+CPU matmul kernels pick different code paths by row count (a matrix-vector kernel for
+one row, small-tile kernels for a few, a remainder path for a partial tile), and each
+path rounds differently. Which counts agree depends on the CPU, the library build and
+the matrix shapes: on one machine bf16 rows agree for every count >= 2, on another only
+for even counts >= 4. A verify pass over k+1 rows and a plain step over one row must
+agree bitwise, or a near-tie argmax flips and greedy speculative output drifts.
+
+So the padding is not assumed, it is measured: `calibrate` runs the decoder's own ops
+(the projections with the model's real weights, both attention matmuls at the model's
+head layout) at every padded row count up to CALIBRATION_ROWS and keeps the first
+(least rows, row multiple) rule under which every row is bitwise the same at every
+count. The answer is remembered per dtype, shapes and thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from speculant.models.config import ModelConfig
+    from speculant.models.decoder import Weights
+
+Padding = tuple[int, int]  # (least rows, row multiple)
+CANDIDATES: tuple[Padding, ...] = (
+    (1, 1),
+    (2, 1),
+    (2, 2),
+    (4, 2),
+    (4, 4),
+    (8, 4),
+    (8, 8),
+    (16, 8),
+    (16, 16),
+)
+MAX_PADDING = 16  # the most rows a padded pass adds (the cache's slack covers it)
+CALIBRATION_ROWS = 24  # verify passes up to this many rows are checked
+_KNOWN: dict[tuple[object, ...], Padding] = {}
+
+
+def padded_rows(n: int, padding: Padding) -> int:
+    least, multiple = padding
+    n = max(n, least)
+    return -(-n // multiple) * multiple
+
+
+def _row_counts(padding: Padding) -> list[int]:
+    return sorted({padded_rows(n, padding) for n in range(1, CALIBRATION_ROWS + 1)})
+
+
+def _invariant(op: Callable[[Tensor], Tensor], x: Tensor, counts: list[int]) -> bool:
+    """op maps [m, ...] rows to [m, ...] rows; True when every row is the same at every m."""
+    ref = op(x[: counts[-1]])
+    return all(torch.equal(op(x[:m]), ref[:m]) for m in counts[:-1])
+
+
+def _ops(
+    config: ModelConfig, weights: Weights, dtype: torch.dtype
+) -> list[Callable[[Tensor], Tensor]]:
+    """The decoder's row-dependent ops, as functions of [T, width] inputs."""
+    from speculant.models.decoder import linear
+
+    c = config
+    lw = weights.layers[0]
+    nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+    rep = nh // nkv
+    gen = torch.Generator().manual_seed(0)
+    span = 128
+    keys = torch.randn(nkv, span, hd, generator=gen).to(dtype)  # [nkv, span, hd]
+
+    def grouped(x: Tensor, width: int) -> Tensor:  # [T, nh * width] -> [nkv, rep*T, width]
+        t = x.shape[0]
+        return x.view(t, nh, width).transpose(0, 1).reshape(nkv, rep * t, width)
+
+    def ungrouped(y: Tensor, t: int) -> Tensor:  # [nkv, rep*T, w] -> [T, nkv, rep, w]
+        return y.view(nkv, rep, t, -1).permute(2, 0, 1, 3)
+
+    def scores(x: Tensor) -> Tensor:
+        return ungrouped(torch.matmul(grouped(x, hd), keys.transpose(1, 2)), x.shape[0])
+
+    def mix(x: Tensor) -> Tensor:
+        return ungrouped(torch.matmul(grouped(x, span), keys), x.shape[0])
+
+    ops: list[Callable[[Tensor], Tensor]] = [scores, mix]
+    for w, bias in (
+        (lw.wqkv, lw.bqkv),
+        (lw.wo, None),
+        (lw.w_gate_up, None),
+        (lw.w_down, None),
+        (weights.output, None),
+    ):
+        ops.append(lambda x, w=w, bias=bias: linear(x, w, bias))
+    return ops
+
+
+def _in_features(w: object) -> int:
+    q = getattr(w, "q", w)
+    assert isinstance(q, Tensor)
+    return int(q.shape[1])
+
+
+def calibrate(config: ModelConfig, weights: Weights, dtype: torch.dtype) -> Padding:
+    """The least padding rule under which this model's ops are row-count invariant here."""
+    lw = weights.layers[0]
+    widths = [
+        config.n_heads * config.head_dim,  # attention scores: queries
+        config.n_heads * 128,  # attention mix: probabilities over a 128-key span
+        config.dim,  # qkv projection
+        _in_features(lw.wo),
+        config.dim,  # gate/up projection
+        _in_features(lw.w_down),
+        config.dim,  # LM head
+    ]
+    key = (
+        dtype,
+        type(lw.w_down).__name__,
+        config.dim,
+        config.n_heads,
+        config.n_kv_heads,
+        config.head_dim,
+        tuple(widths),
+        config.vocab_size,
+        torch.get_num_threads(),
+    )
+    if key in _KNOWN:
+        return _KNOWN[key]
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(32, w, generator=gen).to(dtype) for w in widths]
+    ops = _ops(config, weights, dtype)
+    chosen = CANDIDATES[-1]
+    with torch.inference_mode():
+        for padding in CANDIDATES:
+            counts = _row_counts(padding)
+            if all(_invariant(op, x, counts) for op, x in zip(ops, inputs, strict=True)):
+                chosen = padding
+                break
+    _KNOWN[key] = chosen
+    return chosen
