@@ -73,9 +73,7 @@ class Model:
         assert logits is not None
         return logits
 
-    def forward_batch(
-        self, batch: Sequence[tuple[Sequence[int], KVCache, int]]
-    ) -> list[Tensor]:
+    def forward_batch(self, batch: Sequence[tuple[Sequence[int], KVCache, int]]) -> list[Tensor]:
         """Several sequences in one pass: (token_ids, cache, start) each, logits
         [T_i, vocab] float32 each; bitwise the same as running each alone."""
         segments = [

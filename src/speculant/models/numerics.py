@@ -24,7 +24,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from speculant.models.config import ModelConfig
-    from speculant.models.decoder import Weights
+    from speculant.models.decoder import Linear, Weights
 
 Padding = tuple[int, int]  # (least rows, row multiple)
 CANDIDATES: tuple[Padding, ...] = (
@@ -86,15 +86,13 @@ def _ops(
     def mix(x: Tensor) -> Tensor:
         return ungrouped(torch.matmul(grouped(x, span), keys), x.shape[0])
 
+    def projection(w: Linear, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+        return lambda x: linear(x, w, bias)
+
     ops: list[Callable[[Tensor], Tensor]] = [scores, mix]
-    for w, bias in (
-        (lw.wqkv, lw.bqkv),
-        (lw.wo, None),
-        (lw.w_gate_up, None),
-        (lw.w_down, None),
-        (weights.output, None),
-    ):
-        ops.append(lambda x, w=w, bias=bias: linear(x, w, bias))
+    ops.append(projection(lw.wqkv, lw.bqkv))
+    for w in (lw.wo, lw.w_gate_up, lw.w_down, weights.output):
+        ops.append(projection(w, None))
     return ops
 
 

@@ -13,6 +13,7 @@ from speculant.proposers.base import (
     available_methods,
     make_proposer,
     register,
+    spawn_proposer,
 )
 from speculant.proposers.draft_model import DraftModelProposer, TokenizerMismatchError
 
@@ -26,4 +27,5 @@ __all__ = [
     "available_methods",
     "make_proposer",
     "register",
+    "spawn_proposer",
 ]

@@ -53,6 +53,10 @@ class Proposer(Protocol):
         step with `context` itself (rolling back what the target rejected).
     end: the request is over; `tokens` is every committed token (prompt + output).
         Release per-request state (a proposer may keep what it learned across requests).
+    spawn (optional): a fresh proposer of the same kind and settings for another
+        concurrent request, sharing what is read-only (a draft model, a calibration).
+    propose_many (optional, a staticmethod): draft for several proposers of this kind
+        at once, e.g. one batched draft-model pass per position for every sequence.
     """
 
     name: str
@@ -89,6 +93,20 @@ class NoProposer:
 
     def end(self, tokens: Sequence[int]) -> None:
         return None
+
+    def spawn(self) -> NoProposer:
+        return self
+
+
+def spawn_proposer(proposer: Proposer) -> Proposer:
+    """A proposer for one more concurrent request (see Proposer.spawn)."""
+    spawn = getattr(proposer, "spawn", None)
+    if spawn is None:
+        raise ValueError(
+            f"proposer {proposer.name!r} cannot serve concurrent requests: it has no spawn()"
+        )
+    fresh: Proposer = spawn()
+    return fresh
 
 
 ProposerFactory = Callable[..., Proposer]

@@ -8,6 +8,7 @@ missing committed tokens are fed. Then it samples k tokens from its processed q.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +75,17 @@ class DraftModelProposer:
         self._cache = None
         self._cached_ids = []
 
-    def _sync(self, context: Sequence[int]) -> torch.Tensor:
-        """Make the cache hold context[:-1] and feed context[-1]: its logits [vocab]."""
+    def spawn(self) -> DraftModelProposer:
+        """Shares the draft model (weights, calibration); its own cache and ids."""
+        fresh = copy.copy(self)
+        fresh._cache = None
+        fresh._cached_ids = []
+        fresh._committed = 0
+        return fresh
+
+    def _plan(self, context: Sequence[int]) -> list[int]:
+        """Roll the cache back to the longest prefix it shares with context[:-1]; return
+        the committed tokens still to feed (at least the last one)."""
         assert self._cache is not None, "begin() was not called"
         limit = min(len(self._cached_ids), len(context) - 1)
         keep = min(self._committed, limit)
@@ -86,13 +96,70 @@ class DraftModelProposer:
             keep += 1
         self._cache.truncate(keep)  # roll back rejected drafts
         del self._cached_ids[keep:]
-        missing = list(context[keep:])  # at least the last token
-        if len(missing) > 1:
-            self.model.prefill(missing[:-1], self._cache, keep)
-        logits = self.model.forward(missing[-1:], self._cache, len(context) - 1)
+        missing = list(context[keep:])
         self._cached_ids.extend(missing)
         self._committed = len(context)
+        return missing
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Make the cache hold context[:-1] and feed context[-1]: its logits [vocab]."""
+        missing = self._plan(context)
+        assert self._cache is not None
+        if len(missing) > 1:
+            self.model.prefill(missing[:-1], self._cache, len(context) - len(missing))
+        logits = self.model.forward(missing[-1:], self._cache, len(context) - 1)
         return logits[-1]
+
+    @staticmethod
+    def propose_many(
+        proposers: Sequence[DraftModelProposer],
+        contexts: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> list[Draft]:
+        """Draft for several sequences with one batched draft pass per position.
+
+        Every sequence samples from its own processed q with its own generator, in the
+        same order as `propose` would, and each segment of a batched pass is bitwise
+        what it is alone: the drafts are exactly those of separate `propose` calls."""
+        model = proposers[0].model
+        if any(p.model is not model for p in proposers):
+            return [
+                p.propose(c, k, s, g)
+                for p, c, k, s, g in zip(proposers, contexts, ks, params, generators, strict=True)
+            ]
+        batch = []
+        for p, ctx in zip(proposers, contexts, strict=True):
+            missing = p._plan(ctx)
+            assert p._cache is not None
+            if len(missing) > 1:  # a new prompt, or all drafts kept: as in _sync
+                model.prefill(missing[:-1], p._cache, len(ctx) - len(missing))
+            batch.append((missing[-1:], p._cache, len(ctx) - 1))
+        last = [rows[-1] for rows in model.forward_batch(batch)]  # [vocab] each
+        ids: list[list[int]] = [[] for _ in proposers]
+        rows: list[list[torch.Tensor]] = [[] for _ in proposers]
+        for i in range(max(ks)):
+            active = [j for j, k in enumerate(ks) if i < k]
+            feed = []
+            for j in active:
+                q = process_logits(last[j][None], params[j])  # [1, vocab_q]
+                greedy = params[j].greedy
+                token = int(q[0].argmax()) if greedy else int(sample(q, generators[j])[0])
+                ids[j].append(token)
+                rows[j].append(q[0])
+                if i + 1 < ks[j]:
+                    cache = proposers[j]._cache
+                    assert cache is not None
+                    feed.append((j, ([token], cache, len(contexts[j]) + i)))
+                    proposers[j]._cached_ids.append(token)
+            if feed:
+                out = model.forward_batch([item for _, item in feed])
+                for (j, _), logits in zip(feed, out, strict=True):
+                    last[j] = logits[-1]
+        return [
+            Draft(t, torch.stack(r)) if t else Draft([]) for t, r in zip(ids, rows, strict=True)
+        ]
 
     def propose(
         self,

@@ -53,6 +53,9 @@ class NgramProposer:
     def end(self, tokens: Sequence[int] = ()) -> None:
         self.begin((), 0)
 
+    def spawn(self) -> NgramProposer:
+        return NgramProposer(ngram_max=self.ngram_max, ngram_min=self.ngram_min)
+
     def _extend(self, context: Sequence[int]) -> None:
         start = len(self._tokens)
         # Committed tokens never change within a request, so checking the boundary token

@@ -349,6 +349,20 @@ class SuffixProposer:
         self._req = _Request(self.max_depth, len(prompt_ids))
         self._ingest([int(t) for t in prompt_ids])
 
+    def spawn(self) -> SuffixProposer:
+        """Same settings, its own memory: concurrent requests would invalidate each
+        other's cursors into a shared trie. The server reuses proposers from a pool,
+        so each one still accumulates the requests it served."""
+        return SuffixProposer(
+            self.target,
+            max_depth=self.max_depth,
+            max_tree_tokens=self.max_tree_tokens,
+            min_prob=self.min_prob,
+            max_spec=self.max_spec,
+            max_tree_nodes=self.max_tree_nodes,
+            index_prompts=self.index_prompts,
+        )
+
     def end(self, tokens: Sequence[int] = ()) -> None:
         req = self._req
         if req is not None and len(tokens) > len(req.seq):

@@ -1,0 +1,400 @@
+"""Continuous batching of speculative steps: every running sequence drafts, then ONE
+target pass verifies all of them, and each keeps its own accepted length.
+
+One step, for the sequences s = 1..B that are running:
+
+    k_s       = policy_s.choose(budget_s)                 how many to draft
+    drafts_s  = lane_s.proposer.propose(tokens_s, k_s)    (batched when the proposer can)
+    logits    = target.forward_batch([tokens_s[-1], *drafts_s] for every s)
+    verdict_s = verify_chain(drafts_s, q_s, p_s)          accept / resample / bonus
+    cache_s.truncate(len(tokens_s) + accepted_s)          the one rollback per sequence
+
+A sequence that joins is prefilled on its own, then takes part in the next step; one
+that ends (EOS, stop string, max_tokens, context, or cancelled) leaves at once and its
+lane (proposer + speculation-length policy) goes back to the pool for the next request.
+Each segment of the batched pass is padded as it would be alone, so a sequence's tokens
+do not depend on which others share its steps: greedy output is the same at any
+concurrency (tested).
+
+`Engine` runs one sequence through this same code, so the single-request path and the
+batched path share every line of the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speculant.adaptive import AdaptiveK, FixedK
+from speculant.cache import KVCache
+from speculant.models.model import Model
+from speculant.proposers import Draft, Proposer
+from speculant.rejection import verify_chain
+from speculant.sampling import SamplingParams, make_generator, process_logits
+
+Policy = FixedK | AdaptiveK
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (empty prompt, ids out of range, too long)."""
+
+
+@dataclass
+class GenerationStats:
+    """Per-request speculation figures (acceptance is counted as the verifier decided)."""
+
+    prompt_tokens: int = 0
+    num_generated: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [max k drafted]
+    target_forwards: int = 0
+    elapsed_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Emitted tokens per target forward (1.0 for plain decoding)."""
+        return self.num_generated / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens over the request's wall time, prefill included."""
+        return self.num_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.target_forwards += 1
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position.extend([0] * (num_drafted - len(self.accepted_per_position)))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_per_position": list(self.accepted_per_position),
+            "target_forwards": self.target_forwards,
+            "tokens_per_second": self.tokens_per_second,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # new tokens; an end-of-sequence token that stopped it is included
+    text: str  # decoded new text, cut before a stop string, special tokens skipped
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    token_ids: list[int]  # tokens committed by this step
+    text: str  # text that became final with them (may be "" while a stop string could start)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step did to one sequence: its new chunk, and its result once finished."""
+
+    seq: SequenceState
+    chunk: StreamChunk
+    drafted: int
+    accepted: int
+    result: GenerationResult | None
+
+
+@dataclass
+class Lane:
+    """What a running sequence drafts with; reused by the next request when it ends."""
+
+    proposer: Proposer
+    policy: Policy
+
+
+def make_policy(k: int | str, plain: bool) -> Policy:
+    """num_speculative_tokens: an integer 0..64, or "auto" (chosen per step)."""
+    if plain:
+        return FixedK(0)
+    if k == "auto":
+        return AdaptiveK()
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+        raise ValueError(f"num_speculative_tokens={k!r} is out of range: use 0..64 or 'auto'")
+    return FixedK(k)
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab: int, max_seq_len: int) -> list[int]:
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise RequestError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is out of range: ids are 0..{vocab - 1}")
+    if len(prompt) >= max_seq_len:
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens, the context holds {max_seq_len}: shorten it"
+        )
+    return prompt
+
+
+class SequenceState:
+    """One request inside the scheduler: its tokens, cache, lane, text and stats.
+
+    Invariant between steps: the cache holds every committed token but the last one,
+    which is fed at the head of the next verify pass together with the drafts."""
+
+    def __init__(
+        self,
+        request_id: Any,
+        target: Model,
+        prompt: list[int],
+        params: SamplingParams,
+        lane: Lane,
+        max_seq_len: int,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.lane = lane
+        self.t0 = time.perf_counter()
+        self.stats = GenerationStats(prompt_tokens=len(prompt))
+        self.capacity = min(max_seq_len, len(prompt) + params.max_tokens)
+        self.cache: KVCache = target.new_cache(self.capacity)
+        self.generator = make_generator(params.seed)
+        tokenizer = target.tokenizer
+        self.eos = (
+            frozenset() if params.ignore_eos or tokenizer is None else tokenizer.eos_token_ids
+        )
+        self.text = TextTracker(target, params.stop)
+        self.tokens = list(prompt)
+        self.output: list[int] = []
+        self.finish: str | None = None
+        self.draft = Draft([])
+        self.k = 0
+
+    @property
+    def budget(self) -> int:
+        """Tokens this sequence may still commit."""
+        return min(self.params.max_tokens - len(self.output), self.capacity - len(self.tokens) + 1)
+
+    def commit(self, token_ids: Sequence[int]) -> StreamChunk:
+        """Append a verdict's tokens up to the first that ends the request."""
+        committed: list[int] = []
+        done = False
+        for token in token_ids:
+            committed.append(token)
+            if token in self.eos or self.text.push(token):
+                self.finish, done = "stop", True
+                break
+            if len(self.output) + len(committed) >= self.params.max_tokens:
+                done = True
+                break
+        self.tokens.extend(committed)
+        self.output.extend(committed)
+        if not self.stats.time_to_first_token_s:
+            self.stats.time_to_first_token_s = time.perf_counter() - self.t0
+        if not done and self.budget <= 0:
+            done = True
+        if done and self.finish is None:
+            self.finish = "length"
+        return StreamChunk(committed, self.text.release(final=done))
+
+    def result(self) -> GenerationResult:
+        self.stats.num_generated = len(self.output)
+        self.stats.elapsed_s = time.perf_counter() - self.t0
+        return GenerationResult(
+            list(self.output), self.text.final_text(), self.finish or "length", self.stats
+        )
+
+
+class Scheduler:
+    """Runs many sequences in lock-step; `step()` advances every one of them by one
+    verify pass. Not thread-safe: one thread owns it (the server's engine thread)."""
+
+    def __init__(self, target: Model, new_lane: Callable[[], Lane], max_seq_len: int) -> None:
+        self.target = target
+        self.new_lane = new_lane
+        self.max_seq_len = max_seq_len
+        self.running: list[SequenceState] = []
+        self._idle: list[Lane] = []
+
+    def add(self, request_id: Any, prompt: list[int], params: SamplingParams) -> SequenceState:
+        """Prefill a new sequence; it takes part from the next step on."""
+        lane = self._idle.pop() if self._idle else self.new_lane()
+        seq = SequenceState(request_id, self.target, prompt, params, lane, self.max_seq_len)
+        lane.proposer.begin(prompt, seq.capacity)
+        try:
+            self.target.prefill(prompt[:-1], seq.cache)
+        except BaseException:
+            lane.proposer.end(prompt)
+            self._idle.append(lane)
+            raise
+        self.running.append(seq)
+        return seq
+
+    def cancel(self, seq: SequenceState) -> GenerationResult:
+        """Stop a sequence now (its client went away); it leaves the batch."""
+        seq.finish = "cancelled"
+        self._retire(seq)
+        return seq.result()
+
+    def _retire(self, seq: SequenceState) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            seq.lane.proposer.end(seq.tokens)
+            self._idle.append(seq.lane)
+
+    def step(self) -> list[StepEvent]:
+        """One verify pass for every running sequence."""
+        seqs = list(self.running)
+        if not seqs:
+            return []
+        t_draft = time.perf_counter()
+        for seq in seqs:
+            seq.k = seq.lane.policy.choose(seq.budget - 1)
+        _propose_all(seqs)
+        t_verify = time.perf_counter()
+        batch = []
+        for seq in seqs:
+            start = len(seq.tokens) - 1
+            batch.append(([seq.tokens[-1], *seq.draft.token_ids], seq.cache, start))
+        all_logits = self.target.forward_batch(batch)  # [k_s + 1, vocab] each
+        events = []
+        verdicts = []
+        for seq, logits in zip(seqs, all_logits, strict=True):
+            p_target = process_logits(logits, seq.params)  # [k_s + 1, vocab]
+            q = seq.draft.q_probs
+            verdict = verify_chain(seq.draft.token_ids, q, p_target, seq.generator)
+            seq.cache.truncate(len(seq.tokens) + verdict.num_accepted)  # the one rollback
+            verdicts.append(verdict)
+        t_done = time.perf_counter()
+        for seq, verdict in zip(seqs, verdicts, strict=True):
+            drafted = len(seq.draft.token_ids)
+            seq.lane.policy.observe(
+                drafted, verdict.num_accepted, t_verify - t_draft, t_done - t_verify
+            )
+            seq.stats.record(drafted, verdict.num_accepted)
+            chunk = seq.commit(verdict.token_ids)
+            result = None
+            if seq.finish is not None:
+                tail = seq.text.release(final=True)
+                if tail:
+                    chunk = StreamChunk(chunk.token_ids, chunk.text + tail)
+                self._retire(seq)
+                result = seq.result()
+            events.append(StepEvent(seq, chunk, drafted, verdict.num_accepted, result))
+        return events
+
+
+def _propose_all(seqs: list[SequenceState]) -> None:
+    """Fill seq.draft for every sequence; proposers of one kind that can draft for
+    several sequences at once (`propose_many`) do so in one batched call."""
+    groups: dict[type, list[SequenceState]] = {}
+    for seq in seqs:
+        seq.draft = Draft([])
+        if seq.k > 0:
+            groups.setdefault(type(seq.lane.proposer), []).append(seq)
+    for kind, members in groups.items():
+        many = getattr(kind, "propose_many", None)
+        if many is not None and len(members) > 1:
+            drafts = many(
+                [s.lane.proposer for s in members],
+                [s.tokens for s in members],
+                [s.k for s in members],
+                [s.params for s in members],
+                [s.generator for s in members],
+            )
+        else:
+            drafts = [
+                s.lane.proposer.propose(s.tokens, s.k, s.params, s.generator) for s in members
+            ]
+        for seq, draft in zip(members, drafts, strict=True):
+            q = draft.q_probs[: seq.k] if draft.q_probs is not None else None
+            seq.draft = Draft(draft.token_ids[: seq.k], q)
+
+
+class TextTracker:
+    """Decoded output text, stop-string detection, and what is safe to stream so far.
+
+    The text is decoded once per step (when it is released), or once per token only
+    when stop strings must be checked token by token."""
+
+    def __init__(self, model: Model, stop: tuple[str, ...]) -> None:
+        self.tokenizer = model.tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self._text = ""
+        self._decoded = 0  # len(ids) when _text was decoded
+        self.cut: int | None = None  # index of a found stop string
+        self.released = 0
+        if stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this model has none")
+
+    @property
+    def text(self) -> str:
+        if self._decoded != len(self.ids) and self.tokenizer is not None:
+            self._text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            self._decoded = len(self.ids)
+        return self._text
+
+    def push(self, token: int) -> bool:
+        """Add a token; True when a stop string is now complete."""
+        self.ids.append(token)
+        if not self.stop:
+            return False
+        text = self.text
+        # A new token can only complete a stop string that ends in its own text.
+        lo = max(0, len(text) - max(len(s) for s in self.stop) - 32)
+        hits = [i for s in self.stop if (i := text.find(s, lo)) >= 0]
+        if hits:
+            self.cut = min(hits)
+            return True
+        return False
+
+    def final_text(self) -> str:
+        text = self.text
+        return text if self.cut is None else text[: self.cut]
+
+    def release(self, final: bool) -> str:
+        """Text that can no longer change: hold back an incomplete UTF-8 character and any
+        tail that could still grow into a stop string."""
+        text = self.final_text()
+        end = len(text)
+        if not final and self.cut is None:
+            if text.endswith("\ufffd"):
+                end = len(text.rstrip("\ufffd"))
+            for s in self.stop:
+                for n in range(min(len(s) - 1, end), 0, -1):
+                    if text[:end].endswith(s[:n]):
+                        end = min(end, len(text[:end]) - n)
+                        break
+        if end <= self.released:
+            return ""
+        out = text[self.released : end]
+        self.released = end
+        return out
+
+
+def plain_greedy(model: Model, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
+    """Reference greedy decoding, one token per forward, no engine machinery."""
+    cache = model.new_cache(len(prompt_ids) + max_tokens)
+    model.prefill(list(prompt_ids[:-1]), cache)
+    tokens = list(prompt_ids)
+    out = []
+    for _ in range(max_tokens):
+        logits = model.forward([tokens[-1]], cache, len(tokens) - 1)
+        token = int(torch.argmax(logits[-1]))
+        tokens.append(token)
+        out.append(token)
+    return out
