@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import save_tiny
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tiny import tiny_chat_model
 
 from speculant.bench import (
     WORKLOAD_NAMES,
@@ -27,17 +25,8 @@ from speculant.bench import (
 )
 from speculant.bench.measure import EnergyMeter, theoretical_speedup
 from speculant.bench.report import PLOTS, ROW_FIELDS, render_table
-from speculant.models.model import Model, load_model
+from speculant.models.model import Model
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "def add(a, b):\n    return a + b\n",
-    "the quick brown fox jumps over the lazy dog",
-    "copy this list: red, green, blue, red, green, blue",
-]
 TINY_WORKLOAD = Workload(
     "tiny",
     (
@@ -50,44 +39,12 @@ TINY_WORKLOAD = Workload(
 OUR_METHODS = ["draft", "ngram", "suffix", "layer-skip"]
 
 
-def _tiny_with_tokenizer(path: Path, seed: int, layers: int) -> Model:
-    save_tiny(
-        "llama",
-        path,
-        seed=seed,
-        vocab_size=300,
-        num_hidden_layers=layers,
-        max_position_embeddings=1024,  # room for layer-skip's calibration text
-    )
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=290,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 5, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|im_start|>",
-        "eos_token": "<|im_end|>",
-        "chat_template": CHATML,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    model = load_model(path, dtype="float32", progress=False)
-    assert model.tokenizer is not None and model.tokenizer.chat_template
-    return model
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
     root = tmp_path_factory.mktemp("bench-models")
     return (
-        _tiny_with_tokenizer(root / "target", seed=1, layers=3),
-        _tiny_with_tokenizer(root / "draft", seed=2, layers=1),
+        tiny_chat_model(root / "target", seed=1, layers=3),
+        tiny_chat_model(root / "draft", seed=2, layers=1),
     )
 
 

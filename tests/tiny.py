@@ -3,9 +3,14 @@ Hugging Face folders, so our loader and decoder are checked against the referenc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from speculant.models.model import Model
 
 TINY = dict(
     vocab_size=96,
@@ -60,3 +65,52 @@ def save_tiny(arch: str, path: Path, seed: int = 0, **overrides) -> Path:  # typ
     model = hf_model(arch, seed, **overrides)
     model.save_pretrained(path)
     return path
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "the quick brown fox jumps over the lazy dog",
+    "copy this list: red, green, blue, red, green, blue",
+]
+
+
+def tiny_chat_model(path: Path, seed: int, layers: int) -> Model:
+    """A tiny random llama with a small trained BPE tokenizer and a ChatML template."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from speculant.models.model import load_model
+
+    save_tiny(
+        "llama",
+        path,
+        seed=seed,
+        vocab_size=300,
+        num_hidden_layers=layers,
+        max_position_embeddings=1024,  # room for layer-skip's calibration text
+    )
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 5, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "chat_template": CHATML,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    model = load_model(path, dtype="float32", progress=False)
+    assert model.tokenizer is not None and model.tokenizer.chat_template
+    return model

@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     from speculant.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from speculant.server.cli import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,365 @@
+"""The OpenAI-compatible server on a loopback port, driven by the official `openai`
+client and by raw HTTP: text equality with the engine and the CLI, streaming, usage
+and metrics accounting, every documented bad input, auth, disconnects and a bounded
+concurrent load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+from tiny import tiny_chat_model
+
+from speculant import Engine, SamplingParams
+from speculant.models.model import Model
+from speculant.server import AsyncEngine, create_app
+
+API_KEY = "test-key-123"
+MODEL = "tiny-target"
+CONTEXT = 200
+MAX_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    root = tmp_path_factory.mktemp("server-models")
+    return (
+        tiny_chat_model(root / "target", seed=1, layers=3),
+        tiny_chat_model(root / "draft", seed=2, layers=1),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _serving(engine: AsyncEngine, api_key: str | None) -> Iterator[str]:
+    port = _free_port()
+    app = create_app(engine, api_key=api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(models: tuple[Model, Model]) -> Iterator[tuple[str, AsyncEngine]]:
+    target, draft = models
+    engine = Engine(target, draft=draft, num_speculative_tokens=3, max_seq_len=CONTEXT)
+    async_engine = AsyncEngine(engine, model_name=MODEL, max_num_seqs=MAX_SEQS, draft_name="d")
+    with _serving(async_engine, API_KEY) as url:
+        yield url, async_engine
+
+
+@pytest.fixture(scope="module")
+def client(server: tuple[str, AsyncEngine]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def _expected(models: tuple[Model, Model], prompt: str, n: int) -> tuple[str, list[int]]:
+    """Greedy text of a fresh engine (the same pair, k=3) for a completions prompt."""
+    target, draft = models
+    engine = Engine(target, draft=draft, num_speculative_tokens=3)
+    assert target.tokenizer is not None
+    res = engine.generate(
+        target.tokenizer.encode(prompt), SamplingParams(max_tokens=n, ignore_eos=True)
+    )
+    return res.text, res.token_ids
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def test_models_and_health(server: tuple[str, AsyncEngine], client: openai.OpenAI) -> None:
+    ids = [m.id for m in client.models.list()]
+    assert ids == [MODEL]
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_engine_and_cli(
+    models: tuple[Model, Model], client: openai.OpenAI, tmp_path: Path
+) -> None:
+    from speculant.cli import main
+
+    prompt = "copy this list: red, green"
+    text, ids = _expected(models, prompt, 12)
+    res = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert res.choices[0].text == text
+    assert res.choices[0].finish_reason == "length"
+    assert res.usage is not None and res.usage.completion_tokens == len(ids) == 12
+    target, draft = models
+    argv = ["generate", prompt, "--target", str(target.source), "--draft", str(draft.source)]
+    argv += ["--dtype", "float32", "--draft-dtype", "float32", "-k", "3", "--max-tokens", "12"]
+    argv += ["--ignore-eos", "--json"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    assert json.loads(out.getvalue())["text"] == res.choices[0].text
+
+
+def test_stream_equals_whole_and_usage_adds_up(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="the quick brown fox", max_tokens=20, temperature=0)
+    whole = client.completions.create(**kw, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    chunks = list(
+        client.completions.create(  # type: ignore[call-overload]
+            **kw,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert usage.completion_tokens == 20
+    assert usage.total_tokens == usage.prompt_tokens + 20
+    spec = usage.model_extra["speculation"]  # type: ignore[index]
+    assert spec["method"] == "draft" and spec["num_speculative_tokens"] == 3
+    assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+    # every pass emits its accepted drafts plus one token of the target's own
+    assert spec["accepted_tokens"] + spec["target_forwards"] >= 20
+    assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+    whole_spec = whole.usage.model_extra["speculation"]  # type: ignore[union-attr,index]
+    assert whole_spec["accepted_tokens"] == spec["accepted_tokens"]
+
+
+def test_chat_stream_and_whole(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=15,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=15,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="red green", max_tokens=16, temperature=0.9, top_p=0.9, seed=7)
+    a = client.completions.create(**kw)  # type: ignore[call-overload]
+    b = client.completions.create(**kw)  # type: ignore[call-overload]
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_metrics_move_by_the_request(
+    server: tuple[str, AsyncEngine], client: openai.OpenAI
+) -> None:
+    url = server[0]
+    before = _metrics(url)
+    res = client.completions.create(
+        model=MODEL,
+        prompt="blue red",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    spec = res.usage.model_extra["speculation"]  # type: ignore[union-attr,index]
+    after = _metrics(url)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("speculant:spec_decode_num_draft_tokens_total") == spec["drafted_tokens"]
+    assert delta("speculant:spec_decode_num_accepted_tokens_total") == spec["accepted_tokens"]
+    per_pos = sum(
+        after[k] - before.get(k, 0.0)
+        for k in after
+        if k.startswith("speculant:spec_decode_num_accepted_tokens_per_pos_total")
+    )
+    assert per_pos == spec["accepted_tokens"]
+    assert delta("speculant:generation_tokens_total") == 10
+    assert delta("speculant:request_success_total{finished_reason=length}") == 1
+    assert delta("speculant:time_to_first_token_seconds_count") == 1
+    assert delta("speculant:e2e_request_latency_seconds_count") == 1
+    assert delta("speculant:spec_decode_num_drafts_total") >= 1
+    rate = after["speculant:spec_decode_acceptance_rate"]
+    assert 0.0 <= rate <= 1.0
+    assert after["speculant:num_requests_running"] == 0
+
+
+BAD = [
+    ("completions", b"{not json", 400, None),
+    ("completions", b"[1, 2]", 400, None),
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": CONTEXT + 1}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi " * 400}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "seed": -3}, 400, "seed"),
+    ("completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("completions", {}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "model": "other-model"}, 404, "model"),
+    ("chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, None),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), BAD)
+def test_bad_input_gets_an_openai_error(
+    server: tuple[str, AsyncEngine],
+    route: str,
+    body: object,
+    status: int,
+    param: str | None,
+) -> None:
+    url = server[0]
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{url}/v1/{route}", content=raw, headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+    if body == {"prompt": "hi " * 400}:
+        assert err["code"] == "context_length_exceeded"
+    # the server keeps serving
+    ok = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2},
+        headers=headers,
+        timeout=30,
+    )
+    assert ok.status_code == 200
+
+
+def test_auth(server: tuple[str, AsyncEngine]) -> None:
+    url = server[0]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
+            r = httpx.request(method, url + path, headers=headers, json={"prompt": "x"})
+            assert r.status_code == 401, (headers, path)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_disconnect_cancels_the_sequence(server: tuple[str, AsyncEngine]) -> None:
+    url, engine = server
+    before = _metrics(url).get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "red", "max_tokens": 150, "stream": True, "ignore_eos": True}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = _metrics(url)
+        done = m.get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
+        if done > before and m["speculant:num_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the disconnected request was not cancelled")
+    assert not engine._active
+
+
+def test_32_concurrent_streams(
+    models: tuple[Model, Model], server: tuple[str, AsyncEngine]
+) -> None:
+    url, engine = server
+    prompts = [f"copy {i}: red green blue {i}" for i in range(32)]
+    lengths = [6 + (i % 5) * 3 for i in range(32)]
+    expected = [_expected(models, p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
+    engine.peak_running = 0
+
+    async def one(aclient: openai.AsyncOpenAI, prompt: str, n: int) -> str:
+        stream = await aclient.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        async with aclient:
+            jobs = [one(aclient, p, n) for p, n in zip(prompts, lengths, strict=True)]
+            return await asyncio.wait_for(asyncio.gather(*jobs), timeout=180)
+
+    texts = asyncio.run(run())
+    assert texts == expected
+    assert 2 <= engine.peak_running <= MAX_SEQS  # batched, and bounded by --max-num-seqs
+
+
+def test_serve_cli_builds_the_vllm_shaped_server(models: tuple[Model, Model]) -> None:
+    from speculant.cli import build_parser
+    from speculant.server.cli import build_server
+
+    target, draft = models
+    args = build_parser().parse_args(
+        ["serve", "--model", str(target.source), "--speculative-model", str(draft.source)]
+        + ["--num-speculative-tokens", "4", "--dtype", "float32", "--max-model-len", "128"]
+    )
+    assert (args.host, args.port, args.max_num_seqs) == ("127.0.0.1", 8000, 8)
+    app, engine = build_server(args)
+    assert engine.method == "draft" and engine.num_speculative_tokens == 4
+    assert engine.max_model_len == 128 and engine.model_name == str(target.source)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--num-speculative-tokens", "99"])
