@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     from speculant.server.cli import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from speculant.plan_cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -337,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (CliError, ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (CliError, ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         # Our errors name the bad value and what is allowed; no traceback for users.
         print(f"speculant: error: {exc}", file=sys.stderr)
         return 2

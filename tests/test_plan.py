@@ -1,0 +1,111 @@
+"""The memory planner: its formulas against the engine's real allocations (tiny models,
+exactly), the built-in shapes against the GGUF headers, its estimate against a measured
+peak, and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import real_model_path, tiny_model
+
+from speculant.models.gguf_file import read_gguf
+from speculant.models.loader import config_from_gguf
+from speculant.plan import (
+    REGISTRY_CONFIGS,
+    PlanError,
+    device_budget,
+    kv_bytes,
+    make_plan,
+    parse_size,
+    resolve_config,
+    weights_bytes,
+)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_weights_and_cache_match_the_engine(tiny_root, arch: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    m = tiny_model(tiny_root, arch, seed=3, dtype=dtype)
+    assert weights_bytes(m.config, dtype) == m.net.weights.nbytes()
+    for context in (1, 63, 100, 200):
+        assert kv_bytes(m.config, dtype, context, batch=1) == m.new_cache(context).nbytes
+        assert kv_bytes(m.config, dtype, context, batch=3) == 3 * m.new_cache(context).nbytes
+    # a draft's cache holds 16 positions more (drafts fed past the context)
+    assert kv_bytes(m.config, dtype, 100, 1, draft=True) == m.new_cache(116).nbytes
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_builtin_shapes_match_the_gguf_headers(name: str) -> None:
+    header = config_from_gguf(read_gguf(real_model_path(name)))
+    _, ours = resolve_config(name)
+    for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim"):
+        assert getattr(ours, field) == getattr(header, field), field
+    assert ours.ffn_dim == header.ffn_dim and ours.tie_embeddings == header.tie_embeddings
+
+
+def test_qwen_shapes_match_when_pulled() -> None:
+    """The Qwen pair is not pulled by CI; checked wherever it is."""
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"):
+        home = Path.home() / ".cache" / "speculant" / "models" / name
+        files = sorted(home.glob("*.gguf"))
+        if not files:
+            pytest.skip(f"{name} is not pulled here")
+        header = config_from_gguf(read_gguf(files[0]))
+        _, ours = resolve_config(name)
+        assert (ours.dim, ours.n_layers, ours.n_kv_heads, ours.ffn_dim) == (
+            header.dim,
+            header.n_layers,
+            header.n_kv_heads,
+            header.ffn_dim,
+        )
+
+
+@pytest.mark.real
+def test_estimate_is_close_to_measured_peak() -> None:
+    """A fresh process loads SmolLM2 and runs a 1024-token request; its peak resident
+    memory is within 25% of the plan (docs/planning.md states this tolerance)."""
+    real_model_path("smollm2-135m-instruct")
+    argv = ["plan", "--target", "smollm2-135m-instruct", "--draft", "none"]
+    argv += ["--context", "1024", "--measure", "--json", "--memory", "24GiB"]
+    out = subprocess.run(
+        [sys.executable, "-m", "speculant.cli", *argv], capture_output=True, text=True, check=True
+    )
+    data = json.loads(out.stdout)
+    ratio = data["total_bytes"] / data["measured_peak_bytes"]
+    assert 0.75 < ratio < 1.25, ratio
+
+
+def test_plan_from_a_config_json(tmp_path: Path) -> None:
+    cfg = dict(REGISTRY_CONFIGS["qwen2.5-coder-1.5b-instruct"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    a = make_plan(str(tmp_path), None, context=2048)
+    b = make_plan("qwen2.5-coder-1.5b-instruct", None, context=2048)
+    assert a.total_bytes == b.total_bytes
+    # int8 layers take half of bf16; the tied embedding stays bf16 for lookups and the
+    # LM head becomes its own int8 copy, so the whole is about two thirds
+    small = make_plan(str(tmp_path), None, context=2048, target_dtype="int8")
+    assert 0.6 < small.target.weights_bytes / a.target.weights_bytes < 0.7
+    long = make_plan(str(tmp_path), None, context=8192, batch=2)
+    assert long.target.kv_bytes == pytest.approx(8 * a.target.kv_bytes, rel=0.02)
+
+
+def test_errors_name_the_value() -> None:
+    with pytest.raises(PlanError, match="not found"):
+        resolve_config("no-such-model")
+    with pytest.raises(PlanError, match="beyond"):
+        make_plan("smollm2-135m-instruct", None, context=100_000)
+    with pytest.raises(PlanError, match="cannot share a tokenizer"):
+        make_plan("smollm2-135m-instruct", "gemma-3-270m")
+    with pytest.raises(PlanError, match="dtype 'int3'"):
+        make_plan("smollm2-135m-instruct", None, target_dtype="int3")
+    with pytest.raises(PlanError, match="device 'tpu'"):
+        device_budget("tpu")
+    with pytest.raises(PlanError, match="use a size"):
+        parse_size("lots")
+    assert parse_size("24GiB") == 24 * 2**30 and parse_size("80GB") == 80 * 10**9
+    assert device_budget("H100-80GB")[0] == int(80 * 2**30 * 0.9)
