@@ -91,7 +91,7 @@ def test_plan_from_a_config_json(tmp_path: Path) -> None:
     small = make_plan(str(tmp_path), None, context=2048, target_dtype="int8")
     assert 0.6 < small.target.weights_bytes / a.target.weights_bytes < 0.7
     long = make_plan(str(tmp_path), None, context=8192, batch=2)
-    assert long.target.kv_bytes == pytest.approx(8 * a.target.kv_bytes, rel=0.02)
+    assert long.target.kv_bytes == pytest.approx(8 * a.target.kv_bytes, rel=0.03)
 
 
 def test_errors_name_the_value() -> None:
