@@ -9,8 +9,6 @@ import asyncio
 import contextlib
 import io
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +16,12 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from serving import metrics, serving
 from tiny import tiny_chat_model
 
 from speculant import Engine, SamplingParams
 from speculant.models.model import Model
-from speculant.server import AsyncEngine, create_app
+from speculant.server import AsyncEngine
 
 API_KEY = "test-key-123"
 MODEL = "tiny-target"
@@ -41,37 +38,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _serving(engine: AsyncEngine, api_key: str | None) -> Iterator[str]:
-    port = _free_port()
-    app = create_app(engine, api_key=api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def server(models: tuple[Model, Model]) -> Iterator[tuple[str, AsyncEngine]]:
     target, draft = models
     engine = Engine(target, draft=draft, num_speculative_tokens=3, max_seq_len=CONTEXT)
     async_engine = AsyncEngine(engine, model_name=MODEL, max_num_seqs=MAX_SEQS, draft_name="d")
-    with _serving(async_engine, API_KEY) as url:
+    with serving(async_engine, API_KEY) as url:
         yield url, async_engine
 
 
@@ -89,16 +61,6 @@ def _expected(models: tuple[Model, Model], prompt: str, n: int) -> tuple[str, li
         target.tokenizer.encode(prompt), SamplingParams(max_tokens=n, ignore_eos=True)
     )
     return res.text, res.token_ids
-
-
-def _metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-    return out
 
 
 def test_models_and_health(server: tuple[str, AsyncEngine], client: openai.OpenAI) -> None:
@@ -193,7 +155,7 @@ def test_metrics_move_by_the_request(
     server: tuple[str, AsyncEngine], client: openai.OpenAI
 ) -> None:
     url = server[0]
-    before = _metrics(url)
+    before = metrics(url)
     res = client.completions.create(
         model=MODEL,
         prompt="blue red",
@@ -202,7 +164,7 @@ def test_metrics_move_by_the_request(
         extra_body={"ignore_eos": True},
     )
     spec = res.usage.model_extra["speculation"]  # type: ignore[union-attr,index]
-    after = _metrics(url)
+    after = metrics(url)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -295,7 +257,7 @@ def test_auth(server: tuple[str, AsyncEngine]) -> None:
 
 def test_disconnect_cancels_the_sequence(server: tuple[str, AsyncEngine]) -> None:
     url, engine = server
-    before = _metrics(url).get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
+    before = metrics(url).get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": "red", "max_tokens": 150, "stream": True, "ignore_eos": True}
     with (
@@ -307,7 +269,7 @@ def test_disconnect_cancels_the_sequence(server: tuple[str, AsyncEngine]) -> Non
                 break  # one chunk, then hang up
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        m = _metrics(url)
+        m = metrics(url)
         done = m.get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
         if done > before and m["speculant:num_requests_running"] == 0:
             break

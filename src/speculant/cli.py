@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="load model files that fail their SHA-256 check (logged)",
     )
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument(
+        "--stream-cadence-ms",
+        type=float,
+        default=None,
+        help="print one token every N ms, whatever was accepted together (hides the "
+        "acceptance timing side channel; see docs/security.md)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     models = sub.add_parser("models", help="list, pull or verify built-in models")
@@ -256,14 +263,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(prompt)
+    cadence = args.stream_cadence_ms
+    if cadence is not None and not cadence > 0:
+        raise CliError(f"--stream-cadence-ms={cadence} is out of range: use > 0")
     if args.json:
         res = engine.generate(ids, params)
     else:
         stream = engine.stream(ids, params)
-        for chunk in stream:
-            sys.stdout.write(chunk.text)
+        pieces: Iterable[str] = (chunk.text for chunk in stream)
+        ticker = None
+        if cadence:
+            from speculant.cadence import Ticker, paced
+
+            ticker = Ticker(cadence / 1000)
+            pieces = paced(stream, lambda ids: tok.decode(ids, skip_special_tokens=True), ticker)
+        for piece in pieces:
+            sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        if ticker is not None and ticker.late:
+            print(
+                f"note: {ticker.late} of {ticker.ticks} tokens missed their {cadence:g} ms slot "
+                "(generation was slower): raise --stream-cadence-ms to hide timing fully",
+                file=sys.stderr,
+            )
         assert stream.result is not None
         res = stream.result
     out = {

@@ -38,6 +38,7 @@ ROW_FIELDS = (
     "theoretical_speedup",
     "identical_share",
     "lossless_expected",
+    "anomalies",
     "acceptance_rate",
     "mean_accepted_length",
     "expected_tokens_per_step",

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from speculant.anomaly import AcceptanceBaseline
 from speculant.bench.measure import (
     DEFAULT_WATTS_PER_CORE,
     EnergyMeter,
@@ -182,6 +183,8 @@ class Sample:
     target_forwards: int | None = 0
     finish: list[str] = field(default_factory=list)
     steps: StepRecord = field(default_factory=StepRecord)
+    anomalies: int = 0  # generations flagged by the acceptance anomaly signal
+    zscores: list[float | None] = field(default_factory=list)
 
     @property
     def tok_s(self) -> float:
@@ -222,6 +225,8 @@ class Sample:
             "num_accepted": self.num_accepted,
             "target_forwards": self.target_forwards,
             "finish_reason": self.finish,
+            "acceptance_zscores": self.zscores,
+            "anomalies": self.anomalies,
         }
 
 
@@ -300,6 +305,7 @@ def run_bench(
 
     # Our engines, built once (layer-skip calibrates here) and warmed up.
     engines: dict[str, tuple[Engine, Any]] = {}
+    baselines = {spec.label: AcceptanceBaseline() for spec in specs}
     methods: dict[str, Method] = {}
     target_bytes = target.net.weights.nbytes()
     warm_ids = _warmup_ids(target, wls)
@@ -350,6 +356,11 @@ def run_bench(
                         res = engine.generate(ids, params)
                     sample.add_usage(usage, res.stats.elapsed_s)
                     _add_stats(sample, len(ids), res, take())
+                    verdict = baselines[spec.label].judge(
+                        res.stats.num_drafted, res.stats.num_accepted
+                    )
+                    sample.zscores.append(verdict.zscore)
+                    sample.anomalies += verdict.flagged
                     speed = res.stats.tokens_per_second
                     sink.advance(f"{wl.name} {prompt.id} {spec.label}: {speed:.1f} tok/s")
                 replies.append(_reply_text(target, runs[BASELINE].token_ids[-1]))
@@ -663,6 +674,7 @@ def _row(
         "energy_j_per_token": sum(s.joules for s in mine) / new_tokens if new_tokens else None,
         "identical_share": identical,
         "lossless_expected": method.lossless,
+        "anomalies": sum(s.anomalies for s in mine) if method.kind == "speculant" else None,
         "setup_s": method.setup_s,
     }
 

@@ -16,7 +16,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from speculant.scheduler import GenerationResult, RequestError
+from speculant.anomaly import AnomalyVerdict
+from speculant.cadence import Ticker, TokenSplitter, wait_for_slot
+from speculant.scheduler import GenerationResult, RequestError, StreamChunk
 from speculant.server.async_engine import EngineClient, RequestOutput
 from speculant.server.schema import APIError, ParsedRequest, parse_request, sampling_params
 
@@ -24,8 +26,15 @@ log = logging.getLogger("speculant.server")
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
-    """The app; `engine.start()` / `engine.shutdown()` run with its lifespan when present."""
+def create_app(
+    engine: EngineClient, api_key: str | None = None, stream_cadence_s: float | None = None
+) -> FastAPI:
+    """The app; `engine.start()` / `engine.shutdown()` run with its lifespan when present.
+
+    stream_cadence_s: emit streamed tokens one per event at this fixed cadence (see
+    speculant.cadence: hides which tokens were accepted together)."""
+    if stream_cadence_s is not None and not stream_cadence_s > 0:
+        raise ValueError(f"stream cadence {stream_cadence_s} s is out of range: use > 0")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,16 +102,18 @@ def create_app(engine: EngineClient, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
-        return await _serve(engine, request, chat=False)
+        return await _serve(engine, request, False, stream_cadence_s)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
-        return await _serve(engine, request, chat=True)
+        return await _serve(engine, request, True, stream_cadence_s)
 
     return app
 
 
-async def _serve(engine: EngineClient, request: Request, chat: bool) -> Response:
+async def _serve(
+    engine: EngineClient, request: Request, chat: bool, cadence_s: float | None
+) -> Response:
     arrival = time.perf_counter()
     raw = await request.body()
     try:
@@ -129,7 +140,7 @@ async def _serve(engine: EngineClient, request: Request, chat: bool) -> Response
     outputs = engine.generate(prompt_ids, params, arrival)
     if req.stream:
         return StreamingResponse(
-            _sse(engine, req, rid, chat, len(prompt_ids), outputs),
+            _sse(engine, req, rid, chat, len(prompt_ids), outputs, cadence_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -152,7 +163,12 @@ def _tokenize(engine: EngineClient, req: ParsedRequest) -> list[int]:
     return tok.encode(req.prompt_text)
 
 
-def _usage(engine: EngineClient, prompt_len: int, result: GenerationResult) -> dict[str, Any]:
+def _usage(
+    engine: EngineClient,
+    prompt_len: int,
+    result: GenerationResult,
+    anomaly: AnomalyVerdict | None = None,
+) -> dict[str, Any]:
     s = result.stats
     n = len(result.token_ids)
     return {
@@ -168,6 +184,7 @@ def _usage(engine: EngineClient, prompt_len: int, result: GenerationResult) -> d
             "mean_accepted_length": s.mean_accepted_length,
             "target_forwards": s.target_forwards,
             "accepted_per_position": list(s.accepted_per_position),
+            **(anomaly.to_dict() if anomaly is not None else {}),
         },
     }
 
@@ -229,7 +246,7 @@ async def _whole(
             "created": int(time.time()),
             "model": engine.model_name,
             "choices": [_choice(chat, result.text, _finish(result), delta=False, first=False)],
-            "usage": _usage(engine, prompt_len, result),
+            "usage": _usage(engine, prompt_len, result, last.anomaly),
         }
     )
 
@@ -241,9 +258,15 @@ async def _sse(
     chat: bool,
     prompt_len: int,
     outputs: AsyncIterator[RequestOutput],
+    cadence_s: float | None,
 ) -> AsyncIterator[bytes]:
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
+    ticker = Ticker(cadence_s) if cadence_s else None
+    tok = engine.tokenizer
+    splitter = (
+        TokenSplitter(lambda ids: tok.decode(ids, skip_special_tokens=True)) if ticker else None
+    )
 
     def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {
@@ -268,11 +291,19 @@ async def _sse(
                 break
             result = out.result
             finish = _finish(result) if result is not None else None
-            if out.text or finish is not None:
+            if ticker is not None and splitter is not None:
+                # One event per token, each at its slot: timing says nothing of acceptance.
+                pieces = splitter.split(StreamChunk(out.token_ids, out.text))
+                for i, piece in enumerate(pieces):
+                    await wait_for_slot(ticker)
+                    last = finish if i == len(pieces) - 1 else None
+                    yield event([_choice(chat, piece, last, delta=True, first=first)])
+                    first = False
+            elif out.text or finish is not None:
                 yield event([_choice(chat, out.text, finish, delta=True, first=first)])
                 first = False
             if result is not None and req.include_usage:
-                yield event([], _usage(engine, prompt_len, result))
+                yield event([], _usage(engine, prompt_len, result, out.anomaly))
         yield b"data: [DONE]\n\n"
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

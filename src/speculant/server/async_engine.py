@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from speculant.anomaly import AcceptanceBaseline, AnomalyVerdict
 from speculant.engine import Engine
 from speculant.models.tokenizer import Tokenizer
 from speculant.sampling import SamplingParams
@@ -35,6 +36,7 @@ class RequestOutput:
     token_ids: list[int]
     result: GenerationResult | None = None
     error: str | None = None
+    anomaly: AnomalyVerdict | None = None  # with the result: acceptance vs the baseline
 
 
 class EngineClient(Protocol):
@@ -85,6 +87,7 @@ class AsyncEngine:
         model_name: str,
         max_num_seqs: int = 8,
         draft_name: str | None = None,
+        anomaly_z: float = -3.0,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} is out of range: use >= 1")
@@ -99,6 +102,7 @@ class AsyncEngine:
         self.method = engine.method
         self.num_speculative_tokens = engine.num_speculative_tokens
         self.metrics = ServerMetrics(model_name, draft_name, engine.method)
+        self.baseline = AcceptanceBaseline(threshold=anomaly_z)
         self._sched = engine.scheduler()
         self._waiting: deque[_Request] = deque()
         self._active: dict[int, _Request] = {}
@@ -199,7 +203,14 @@ class AsyncEngine:
                 if owner is None:
                     continue
                 self._account(owner, event.chunk.token_ids, event.drafted, event.accepted, now)
-                owner.send(RequestOutput(event.chunk.text, event.chunk.token_ids, event.result))
+                verdict = None
+                if event.result is not None:
+                    verdict = self._judge(owner, event.result)
+                owner.send(
+                    RequestOutput(
+                        event.chunk.text, event.chunk.token_ids, event.result, None, verdict
+                    )
+                )
                 if event.result is not None:
                     self._active.pop(owner.id, None)
                     self.metrics.requests.labels(finished_reason=event.result.finish_reason).inc()
@@ -219,6 +230,22 @@ class AsyncEngine:
         req.last_emit = time.perf_counter()
         self._active[req.id] = req
         self.metrics.prompt_tokens.inc(len(req.prompt))
+
+    def _judge(self, req: _Request, result: GenerationResult) -> AnomalyVerdict:
+        s = result.stats
+        verdict = self.baseline.judge(s.num_drafted, s.num_accepted)
+        if verdict.flagged:
+            self.metrics.anomalies.inc()
+            log.warning(
+                "request %s flagged: acceptance %.0f%% against a baseline of %.0f%% (z = %.1f); "
+                "inputs the draft predicts this badly are often out of distribution "
+                "(prompt injection, jailbreak attempts)",
+                req.id,
+                100 * (verdict.acceptance_rate or 0.0),
+                100 * (verdict.baseline_acceptance or 0.0),
+                verdict.zscore,
+            )
+        return verdict
 
     def _cancel(self, req: _Request) -> None:
         self._active.pop(req.id, None)

@@ -104,6 +104,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"])
     p.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8"])
     p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--stream-cadence-ms",
+        type=float,
+        default=None,
+        help="stream one token per event every N ms, whatever was accepted together: "
+        "hides the acceptance timing side channel (see docs/security.md)",
+    )
+    p.add_argument(
+        "--anomaly-z",
+        type=float,
+        default=-3.0,
+        help="flag requests whose acceptance rate is this many standard deviations below "
+        "the running baseline (default -3; see docs/security.md)",
+    )
     p.add_argument("--trust-unverified", action="store_true", help="load unverified GGUF files")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
@@ -142,9 +156,14 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         model_name=name,
         max_num_seqs=args.max_num_seqs,
         draft_name=draft.name if draft is not None else None,
+        anomaly_z=args.anomaly_z,
     )
     api_key = args.api_key or os.environ.get("SPECULANT_API_KEY") or None
-    return create_app(async_engine, api_key=api_key), async_engine
+    cadence = args.stream_cadence_ms
+    if cadence is not None and not cadence > 0:
+        raise ValueError(f"--stream-cadence-ms={cadence} is out of range: use > 0")
+    cadence_s = cadence / 1000 if cadence else None
+    return create_app(async_engine, api_key=api_key, stream_cadence_s=cadence_s), async_engine
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

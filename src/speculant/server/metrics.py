@@ -51,6 +51,12 @@ class ServerMetrics:
             f"Accepted / drafted over about the last {WINDOW_TOKENS} draft tokens.",
             registry=r,
         )
+        self.anomalies = Counter(
+            "speculant:spec_decode_anomalous_requests",
+            "Requests whose acceptance rate fell far below the deployment's baseline "
+            "(z-score under the threshold; see docs/security.md).",
+            registry=r,
+        )
         self.requests = Counter(
             "speculant:request_success",
             "Finished requests by finish reason.",
