@@ -157,3 +157,23 @@ def test_every_proposer_samples_follow_target(tiny_root, method: str, k) -> None
     assert drafted > 0
     rejected, stat, crit = chi2_rejects(counts, exact_two_token(target, prompt, params), n)
     assert not rejected, f"{method}: samples do not follow the target: chi2={stat:.1f} > {crit:.1f}"
+
+
+def test_int4_draft_samples_follow_target(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    """A draft quantized to int4 drafts from its own (coarser) q; the rule corrects it
+    to the fp32 target's distribution exactly."""
+    params = SETTINGS[0]
+    target = tiny_model(tiny_root, "llama", seed=11, **SMALL)
+    draft = tiny_model(tiny_root, "llama", seed=12, dtype="int4", **SMALL)
+    assert draft.weight_format == "int4"
+    prompt = [1, 5, 2]
+    engine = Engine(target, draft=draft, num_speculative_tokens=2)
+    n = 2500
+    counts: Counter = Counter()  # type: ignore[type-arg]
+    for i in range(n):
+        res = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": 7000 + i}))
+        counts[tuple(res.token_ids[:2])] += 1
+    rejected, stat, crit = chi2_rejects(counts, exact_two_token(target, prompt, params), n)
+    assert not rejected, f"samples do not follow the target: chi2={stat:.1f} > {crit:.1f}"
+    rejected, stat, crit = chi2_rejects(counts, exact_two_token(draft, prompt, params), n)
+    assert rejected, f"test has no power: draft distribution not rejected (chi2={stat:.1f})"

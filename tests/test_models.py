@@ -120,3 +120,43 @@ def test_batched_pass_is_bitwise_solo(dtype: str, arch: str, tiny_root) -> None:
         assert torch.equal(a, b)
         assert ca.length == cb.length
         assert torch.equal(ca.k[:, :, :, : ca.length], cb.k[:, :, :, : cb.length])
+
+
+def test_quantization_round_trip_error_bounds() -> None:
+    """int8 (per channel) and int4 (groups of 32) reconstruct a weight within their
+    resolution: |w - w'| <= half a step of the channel / group range."""
+    from speculant.models.decoder import Int4Weight, Int8Weight, linear
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=gen)
+    q8 = Int8Weight.quantize(w)
+    back8 = q8.q.float() * q8.scales.float()[:, None]
+    step8 = w.abs().amax(dim=1, keepdim=True) / 127
+    # half a step, plus the bf16 rounding of the scale (up to 127 x scale x 2^-8)
+    assert ((back8 - w).abs() <= step8 * (0.5 + 127 / 256)).all()
+    q4 = Int4Weight.quantize(w)
+    back4 = q4.dequantize()
+    groups = w.view(64, 8, 32)
+    step4 = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    # half a step, plus the bf16 rounding of scale and zero
+    assert ((back4 - w).abs() <= step4 * 0.5 + 0.02 * w.abs().amax()).all()
+    assert (back4 - w).norm() / w.norm() < 0.1
+    assert q4.nbytes * 8 / w.numel() == 5.0  # 4 bits + a bf16 scale and zero per 32
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    ref = x.float() @ back4.T
+    assert (linear(x, q4).float() - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+def test_int4_greedy_draft_is_lossless(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    from speculant import Engine, SamplingParams
+    from speculant.engine import plain_greedy
+
+    target = tiny_model(tiny_root, "qwen2", seed=8, dtype="bfloat16")
+    draft = tiny_model(tiny_root, "qwen2", seed=8, dtype="int4")
+    assert draft.weight_format == "int4"
+    prompt = [5, 9, 14, 2, 33]
+    res = Engine(target, draft=draft, num_speculative_tokens=4).generate(
+        prompt, SamplingParams(max_tokens=40, ignore_eos=True)
+    )
+    assert res.token_ids == plain_greedy(target, prompt, 40)
+    assert 0 < res.stats.num_accepted < res.stats.num_drafted  # agreement, imperfect

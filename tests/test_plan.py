@@ -27,7 +27,7 @@ from speculant.plan import (
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_weights_and_cache_match_the_engine(tiny_root, arch: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
     m = tiny_model(tiny_root, arch, seed=3, dtype=dtype)
     assert weights_bytes(m.config, dtype) == m.net.weights.nbytes()

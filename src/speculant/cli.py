@@ -121,13 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=["bfloat16", "float32", "int8"],
+        choices=["bfloat16", "float32", "int8", "int4"],
         help="target dtype (int8: weight-only int8 with bfloat16 activations)",
     )
     gen.add_argument(
         "--draft-dtype",
         default="int8",
-        choices=["bfloat16", "float32", "int8"],
+        choices=["bfloat16", "float32", "int8", "int4"],
         help="draft dtype; a lower-precision draft stays lossless, since "
         "verification filters its errors",
     )

@@ -14,10 +14,10 @@ Formulas (bytes; "rows" = tokens held by a cache):
     runtime   = the framework itself (PyTorch, Python) plus the tokenizer (grows with
                 the vocabulary): measured, see RUNTIME_BYTES
 
-This is the engine's own layout. int4 is an estimate of group-wise 4-bit storage
-(4 bits + a bf16 scale and zero per group of 32: 5 bits a weight) for deciding what
-would fit; the estimate for our dtypes is checked against measured peak memory in the
-tests and with `speculant plan --measure`.
+This is the engine's own layout: int4 is group-wise (4 bits + a bf16 scale and zero per
+group of 32: 5 bits a weight; a matrix whose shape the int4 kernel cannot take stays
+int8, which the plan ignores). The estimate is checked against the engine's real
+allocations in the tests, and against measured peak memory with `--measure`.
 """
 
 from __future__ import annotations

@@ -105,8 +105,6 @@ def _plan(args: argparse.Namespace, context: int | None = None) -> Plan:
 
 
 def measure(args: argparse.Namespace) -> dict[str, int]:
-    if args.target_dtype == "int4" or args.draft_dtype == "int4":
-        raise PlanError("--measure runs the engine, which has no int4 weights: pick another dtype")
     spec = {
         "target": args.target,
         "draft": None if args.draft in (None, "none") else args.draft,
@@ -192,8 +190,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table.add_row("runtime (PyTorch, Python)", "", "", "", "", "", _gib(plan.runtime_bytes))
     table.add_row("[bold]total[/]", "", "", "", "", "", f"[bold]{_gib(plan.total_bytes)}[/]")
     console.print(table)
-    if plan.target.dtype == "int4" or (plan.draft and plan.draft.dtype == "int4"):
-        console.print("[yellow]int4 is an estimate of group-wise 4-bit storage (5 bits/weight).[/]")
     fit_table = Table(title="where it fits")
     for col in ("device", "usable", "fits", "longest context that fits"):
         fit_table.add_column(col)

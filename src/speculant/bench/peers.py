@@ -219,7 +219,9 @@ def _open_transformers(spec: PeerSpec, target: Model, draft: Model | None) -> Pe
     dtype = target.dtype if target.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
     dname = str(dtype).removeprefix("torch.")
     note = (
-        " (our target runs int8 weights; transformers has no such mode here)" if target.int8 else ""
+        f" (our target runs {target.dtype_name} weights; transformers has no such mode here)"
+        if target.int8
+        else ""
     )
     model = _hf_load(tf, target, dtype)
     settings: dict[str, Any] = {"dtype": dname, "do_sample": "temperature > 0"}

@@ -709,7 +709,7 @@ def _meta(
             "source": str(m.source) if m.source else None,
             "arch": m.config.arch,
             "layers": m.config.n_layers,
-            "dtype": "int8" if m.int8 else str(m.dtype).removeprefix("torch."),
+            "dtype": m.dtype_name,
             "weights_mb": m.net.weights.nbytes() / 1e6,
         }
 

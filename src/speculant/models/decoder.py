@@ -49,14 +49,68 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.numel() + self.scales.numel() * 2
 
+    @property
+    def in_features(self) -> int:
+        return int(self.q.shape[1])
 
-Linear = Tensor | Int8Weight
+
+INT4_GROUP = 32  # weights per (scale, zero) pair: 4 + 32/32 bits = 5 bits a weight
+
+
+@dataclass
+class Int4Weight:
+    """Weight-only int4, group-wise asymmetric: w = (q - 8) * scale + zero per group of
+    `group` input weights, bf16 activations, PyTorch's packed CPU kernel
+    (`_weight_int4pack_mm_for_cpu`). Needs out % 16 == 0 and in % group == 0."""
+
+    packed: Tensor  # [out, in / 2] uint8, the kernel's layout
+    scales_zeros: Tensor  # [in / group, out, 2] bfloat16
+    group: int
+
+    @staticmethod
+    def fits(w: Tensor, group: int = INT4_GROUP) -> bool:
+        return w.shape[0] % 16 == 0 and w.shape[1] % group == 0
+
+    @classmethod
+    def quantize(cls, w: Tensor, group: int = INT4_GROUP) -> Int4Weight:
+        out, inp = w.shape
+        wg = w.float().reshape(out, inp // group, group)
+        lo = wg.amin(dim=-1, keepdim=True)
+        hi = wg.amax(dim=-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)  # [out, in/group, 1]
+        q = torch.round((wg - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(out, inp)
+        zero = lo + 8 * scale  # so that w = (q - 8) * scale + zero
+        sz = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in/group, out, 2]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        return cls(packed, sz.to(torch.bfloat16), group)
+
+    def dequantize(self) -> Tensor:
+        """The float32 weight [out, in] this stands for (reference and tests)."""
+        out = self.packed.shape[0]
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return linear(eye, self).float().T.reshape(out, self.in_features)
+
+    @property
+    def in_features(self) -> int:
+        return int(self.packed.shape[1]) * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * 2
+
+
+Linear = Tensor | Int8Weight | Int4Weight
 
 
 def linear(x: Tensor, w: Linear, bias: Tensor | None = None) -> Tensor:
     """x: [T, in] -> [T, out]."""
     if isinstance(w, Int8Weight):
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.q, w.scales)
+        return y if bias is None else y + bias
+    if isinstance(w, Int4Weight):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), w.packed, w.group, w.scales_zeros
+        )
         return y if bias is None else y + bias
     return F.linear(x, w, bias)
 
@@ -88,6 +142,8 @@ class Weights:
         for value in [self.tok_embeddings, self.norm, self.output, *self._layer_values()]:
             if isinstance(value, Int8Weight):
                 out.extend([value.q, value.scales])
+            elif isinstance(value, Int4Weight):
+                out.extend([value.packed, value.scales_zeros])
             elif isinstance(value, Tensor):
                 out.append(value)
         return out
@@ -104,16 +160,37 @@ class Weights:
                 total += t.numel() * t.element_size()
         return total
 
-    def quantize_int8(self) -> None:
-        """Replace every projection and the LM head by weight-only int8 (embedding
-        lookups stay in the activation dtype)."""
+    def quantize(self, fmt: str) -> None:
+        """Replace every projection and the LM head by weight-only `fmt` ("int8" or
+        "int4"; int4 shapes the kernel cannot take stay int8). Embedding lookups stay
+        in the activation dtype."""
+        if fmt not in ("int8", "int4"):
+            raise ValueError(f"weight format {fmt!r} is not supported: use int8 or int4")
+
+        def convert(w: Linear) -> Linear:
+            if not isinstance(w, Tensor):
+                return w
+            if fmt == "int4" and Int4Weight.fits(w):
+                return Int4Weight.quantize(w)
+            return Int8Weight.quantize(w)
+
         for lw in self.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-                w = getattr(lw, name)
-                if isinstance(w, Tensor):
-                    setattr(lw, name, Int8Weight.quantize(w))
-        if isinstance(self.output, Tensor):
-            self.output = Int8Weight.quantize(self.output)
+                setattr(lw, name, convert(getattr(lw, name)))
+        self.output = convert(self.output)
+
+    def quantize_int8(self) -> None:
+        self.quantize("int8")
+
+    @property
+    def weight_format(self) -> str | None:
+        """ "int4" or "int8" when the projections are quantized, else None."""
+        w = self.layers[0].w_gate_up if self.layers else self.output
+        if isinstance(w, Int4Weight):
+            return "int4"
+        if isinstance(w, Int8Weight):
+            return "int8"
+        return None
 
 
 @dataclass

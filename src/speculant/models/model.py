@@ -13,7 +13,7 @@ from torch import Tensor
 from speculant.cache import KVCache
 from speculant.models import registry, weight_cache
 from speculant.models.config import ModelConfig
-from speculant.models.decoder import Int8Weight, Segment, Transformer, Weights
+from speculant.models.decoder import Segment, Transformer, Weights
 from speculant.models.loader import ModelLoadError, load_gguf, load_hf_dir
 from speculant.models.tokenizer import Tokenizer
 
@@ -23,10 +23,11 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-# Weight-only int8 (per-channel scales) with bfloat16 activations: half the bytes of
-# bf16 per token, the format of choice for a draft model on CPU.
-QUANTIZED = {"int8": torch.bfloat16}
-DTYPE_NAMES = ("bfloat16", "float32", "int8")
+# Weight-only formats with bfloat16 activations: int8 (per-channel scales, half the
+# bytes of bf16 per token, the format of choice for a draft model on CPU) and int4
+# (group-wise, 5 bits a weight).
+QUANTIZED = {"int8": torch.bfloat16, "int4": torch.bfloat16}
+DTYPE_NAMES = ("bfloat16", "float32", "int8", "int4")
 
 
 class Model:
@@ -45,13 +46,19 @@ class Model:
         self.net = net
         self.tokenizer = tokenizer
         self.source = source
-        self.int8 = isinstance(net.weights.output, Int8Weight)
+        self.weight_format = net.weights.weight_format  # "int8", "int4" or None
+        self.int8 = self.weight_format is not None  # quantized weights (int8 or int4)
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' format: int8, int4, or the activation dtype's name."""
+        return self.weight_format or str(self.dtype).removeprefix("torch.")
 
     def __repr__(self) -> str:
         c = self.config
         return (
             f"Model({self.name!r}, arch={c.arch}, layers={c.n_layers}, dim={c.dim}, "
-            f"dtype={'int8' if self.int8 else str(self.dtype).removeprefix('torch.')})"
+            f"dtype={self.dtype_name})"
         )
 
     @property
@@ -93,17 +100,17 @@ class Model:
             self.net.forward(part, cache, start + i, logits=False)
 
 
-def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, bool]:
-    """(activation dtype, int8 weights?) for a dtype name."""
+def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, str | None]:
+    """(activation dtype, weight format "int8" / "int4" or None) for a dtype name."""
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
-            return dtype, False
+            return dtype, None
         raise ValueError(f"dtype {dtype} is not supported: use one of {', '.join(DTYPE_NAMES)}")
     if dtype in QUANTIZED:
-        return QUANTIZED[dtype], True
+        return QUANTIZED[dtype], dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPE_NAMES)}")
-    return DTYPES[dtype], False
+    return DTYPES[dtype], None
 
 
 def load_model(
@@ -116,14 +123,14 @@ def load_model(
 
     A GGUF file that the registry or a manifest.json beside it vouches for is checked
     against that SHA-256 before loading; a mismatch is refused unless trust_unverified."""
-    torch_dtype, int8 = parse_dtype(dtype)
+    torch_dtype, quant = parse_dtype(dtype)
     path = Path(name_or_path).expanduser()
     if path.exists():
-        return _load_path(path, torch_dtype, int8, progress, path.name, trust_unverified)
+        return _load_path(path, torch_dtype, quant, progress, path.name, trust_unverified)
     text = str(name_or_path)
     if text in registry.KNOWN_MODELS:
         gguf_path = registry.pull(text, progress=progress)
-        return _load_path(gguf_path, torch_dtype, int8, progress, text, trust_unverified)
+        return _load_path(gguf_path, torch_dtype, quant, progress, text, trust_unverified)
     if text.endswith(".gguf") or "/" in text or text.startswith("."):
         raise ModelLoadError(f"model file or folder {text!r} does not exist")
     known = ", ".join(sorted(registry.KNOWN_MODELS))
@@ -134,7 +141,7 @@ def load_model(
 
 
 def _load_path(
-    path: Path, dtype: torch.dtype, int8: bool, progress: bool, name: str, trust: bool
+    path: Path, dtype: torch.dtype, quant: str | None, progress: bool, name: str, trust: bool
 ) -> Model:
     t0 = time.perf_counter()
     if path.is_dir():
@@ -146,14 +153,14 @@ def _load_path(
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.suffix == ".gguf":
         registry.check_integrity(path, trust_unverified=trust, progress=progress)
-        label = weight_cache.dtype_label(dtype, int8)
+        label = weight_cache.dtype_label(dtype, quant)
         cached = weight_cache.load(path, label)
         if cached is not None:
             config, weights = cached
         else:
             config, weights = _load_gguf_with_progress(path, dtype, progress, name)
-            if int8:
-                weights.quantize_int8()
+            if quant:
+                weights.quantize(quant)
             weight_cache.save(path, label, config, weights)
         tokenizer = Tokenizer.from_gguf(path)
     else:
@@ -163,10 +170,10 @@ def _load_path(
             f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
             f"{config.vocab_size} embeddings"
         )
-    if int8 and not isinstance(weights.output, Int8Weight):
-        weights.quantize_int8()
+    if quant and weights.weight_format != quant:
+        weights.quantize(quant)
     net = Transformer(config, weights, dtype)
-    label = "int8" if int8 else str(dtype).removeprefix("torch.")
+    label = quant or str(dtype).removeprefix("torch.")
     if progress:
         print(
             f"loaded {name} ({config.arch}, {weights.nbytes() / 1e9:.2f} GB {label}) "

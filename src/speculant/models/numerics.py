@@ -97,9 +97,9 @@ def _ops(
 
 
 def _in_features(w: object) -> int:
-    q = getattr(w, "q", w)
-    assert isinstance(q, Tensor)
-    return int(q.shape[1])
+    if isinstance(w, Tensor):
+        return int(w.shape[1])
+    return int(getattr(w, "in_features"))  # noqa: B009 (Int8Weight / Int4Weight)
 
 
 def calibrate(config: ModelConfig, weights: Weights, dtype: torch.dtype) -> Padding:

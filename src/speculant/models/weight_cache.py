@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from speculant.models.config import ModelConfig
-from speculant.models.decoder import Int8Weight, LayerWeights, Weights
+from speculant.models.decoder import Int4Weight, Int8Weight, LayerWeights, Weights
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -46,6 +46,9 @@ def _flatten(weights: Weights) -> dict[str, Tensor]:
         if isinstance(value, Int8Weight):
             out[f"{name}.q"] = value.q
             out[f"{name}.scales"] = value.scales
+        elif isinstance(value, Int4Weight):
+            out[f"{name}.q4"] = value.packed
+            out[f"{name}.sz"] = value.scales_zeros
         elif isinstance(value, Tensor):
             out[name] = value.contiguous()
 
@@ -59,11 +62,14 @@ def _flatten(weights: Weights) -> dict[str, Tensor]:
     return out
 
 
-def _get(tensors: dict[str, Tensor], name: str) -> Tensor | Int8Weight | None:
+def _get(tensors: dict[str, Tensor], name: str) -> Tensor | Int8Weight | Int4Weight | None:
     if name in tensors:
         return tensors[name]
     if f"{name}.q" in tensors:
         return Int8Weight(tensors[f"{name}.q"], tensors[f"{name}.scales"])
+    if f"{name}.q4" in tensors:
+        packed, sz = tensors[f"{name}.q4"], tensors[f"{name}.sz"]
+        return Int4Weight(packed, sz, packed.shape[1] * 2 // sz.shape[0])
     return None
 
 
@@ -113,5 +119,5 @@ def load(gguf: Path, label: str) -> tuple[ModelConfig, Weights] | None:
         return None
 
 
-def dtype_label(dtype: torch.dtype, int8: bool) -> str:
-    return "int8" if int8 else str(dtype).removeprefix("torch.")
+def dtype_label(dtype: torch.dtype, quant: str | None) -> str:
+    return quant or str(dtype).removeprefix("torch.")

@@ -101,8 +101,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="model id in the API (default --model)"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"])
-    p.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4"])
+    p.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4"])
     p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     p.add_argument(
         "--stream-cadence-ms",
