@@ -150,7 +150,8 @@ def main() -> int:
     report["rows"] = [{k: v for k, v in r.items() if k != "texts"} for r in rows]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\n{'config':>10} {'c':>3} {'tok/s':>7} {'speedup':>8} {'TTFT s':>7} {'tok/pass':>8} same")
+    head = f"{'config':>10} {'c':>3} {'tok/s':>7} {'speedup':>8} {'TTFT s':>7} {'tok/pass':>8}"
+    print(f"\n{head} same")
     for r in report["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "—"
         print(
