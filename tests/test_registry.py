@@ -179,3 +179,37 @@ def test_pip_failure_raises_pull_error(monkeypatch: pytest.MonkeyPatch, tmp_path
     dest.mkdir()
     with pytest.raises(PullError, match="registry must be reachable"):
         registry._pip_download(["speculant-no-such-pkg==9.9.9"], dest, progress=False)
+
+
+def test_folder_manifest_refuses_changed_files(tmp_path: Path) -> None:
+    """A Hugging Face folder with a manifest loads verified; a flipped byte, or a model
+    file the manifest does not list, is refused naming the file; the CLI agrees."""
+    from tiny import save_tiny
+
+    from speculant.cli import main
+    from speculant.models.model import load_model
+
+    folder = tmp_path / "tiny"
+    save_tiny("llama", folder, seed=1)
+    assert registry.check_folder_integrity(folder) is False  # no manifest yet
+    assert main(["verify", str(folder)]) == 1
+    assert main(["verify", str(folder), "--write-manifest"]) == 0
+    listed = registry.read_manifest(folder)
+    assert "model.safetensors" in listed and "config.json" in listed
+    assert registry.check_folder_integrity(folder) is True
+    assert main(["verify", str(folder)]) == 0
+    load_model(folder, dtype="float32", progress=False)
+
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(registry.IntegrityError, match="model.safetensors: the manifest expects"):
+        load_model(folder, dtype="float32", progress=False)
+    assert main(["verify", str(folder)]) == 1
+    load_model(folder, dtype="float32", progress=False, trust_unverified=True)  # escape hatch
+
+    registry.write_manifest(folder)
+    shutil.copy(weights, folder / "extra.safetensors")
+    with pytest.raises(registry.IntegrityError, match="extra.safetensors is not listed"):
+        registry.check_folder_integrity(folder)

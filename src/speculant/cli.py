@@ -169,6 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     ver.set_defaults(func=cmd_models_verify)
     models.set_defaults(func=lambda args: _print_help(models))
 
+    check = sub.add_parser(
+        "verify",
+        help="check model files against their SHA-256 manifest (or write one)",
+        description="Re-hash built-in models against the registry, and .gguf files or model "
+        "folders against the manifest.json beside them. --write-manifest records the "
+        "digests of a folder's model files (weights, config, tokenizer), so later loads "
+        "refuse any file that changed. Exit status 1 if anything fails.",
+    )
+    check.add_argument("targets", nargs="+", metavar="NAME_OR_PATH")
+    check.add_argument(
+        "--write-manifest", action="store_true", help="hash the folders' files into manifest.json"
+    )
+    check.set_defaults(func=cmd_verify)
+
     from speculant.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
@@ -348,6 +362,39 @@ def cmd_models_verify(args: argparse.Namespace) -> int:
         get_known(name)
         ok = verify(name)
         print(f"{name}: {'ok' if ok else 'MISMATCH or missing'}")
+        bad += not ok
+    return 1 if bad else 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from speculant.models import registry
+
+    bad = 0
+    for target in args.targets:
+        path = Path(target).expanduser()
+        if target in registry.KNOWN_MODELS and not path.exists():
+            ok = registry.verify(target)
+            print(f"{target}: {'ok' if ok else 'MISMATCH or missing'}")
+            bad += not ok
+            continue
+        if not path.exists():
+            raise CliError(f"{target!r} is neither a built-in model nor an existing path")
+        folder = path if path.is_dir() else path.parent
+        if args.write_manifest:
+            print(f"{target}: wrote {registry.write_manifest(folder)}")
+            continue
+        try:
+            if path.is_dir():
+                ok = registry.check_folder_integrity(path)
+            else:
+                ok = registry.check_integrity(path.resolve())
+        except registry.IntegrityError as exc:
+            print(f"{target}: FAILED: {exc}")
+            bad += 1
+            continue
+        print(f"{target}: {'ok' if ok else 'unverified (no manifest; see --write-manifest)'}")
         bad += not ok
     return 1 if bad else 0
 

@@ -149,10 +149,11 @@ def _load_path(
         if not (path / "config.json").exists() and len(ggufs) == 1:
             path = ggufs[0]
     if path.is_dir():
+        verified = registry.check_folder_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_hf_dir(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.suffix == ".gguf":
-        registry.check_integrity(path, trust_unverified=trust, progress=progress)
+        verified = registry.check_integrity(path, trust_unverified=trust, progress=progress)
         label = weight_cache.dtype_label(dtype, quant)
         cached = weight_cache.load(path, label)
         if cached is not None:
@@ -176,7 +177,8 @@ def _load_path(
     label = quant or str(dtype).removeprefix("torch.")
     if progress:
         print(
-            f"loaded {name} ({config.arch}, {weights.nbytes() / 1e9:.2f} GB {label}) "
+            f"loaded {name} ({config.arch}, {weights.nbytes() / 1e9:.2f} GB {label}, "
+            f"{'sha256 verified' if verified else 'unverified: no manifest'}) "
             f"in {time.perf_counter() - t0:.1f}s",
             file=sys.stderr,
         )

@@ -316,13 +316,86 @@ def expected_digest(path: Path) -> tuple[str, str] | None:
         if path.resolve() == model_path(model.name).resolve():
             return model.sha256, f"the registry entry {model.name}"
     manifest = path.parent / "manifest.json"
+    listed = read_manifest(path.parent).get(path.name)
+    return (listed, str(manifest)) if listed is not None else None
+
+
+MANIFEST = "manifest.json"
+# Files of a Hugging Face folder that a manifest must cover: weights, config, tokenizer.
+FOLDER_PATTERNS = ("*.safetensors", "*.gguf", "config.json", "tokenizer.json", "*.bin", "*.pt")
+
+
+def read_manifest(folder: Path) -> dict[str, str]:
+    """{file name: sha256} of folder/manifest.json: the registry's single-file form
+    {"file", "sha256"} and the multi-file form {"files": {name: sha256}}."""
     try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
-        if data.get("file") == path.name and isinstance(data.get("sha256"), str):
-            return data["sha256"], str(manifest)
-    except (OSError, ValueError, AttributeError):
-        pass
-    return None
+        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, str] = {}
+    if not isinstance(data, dict):
+        return out
+    if isinstance(data.get("file"), str) and isinstance(data.get("sha256"), str):
+        out[data["file"]] = data["sha256"]
+    files = data.get("files")
+    if isinstance(files, dict):
+        out.update({k: v for k, v in files.items() if isinstance(v, str)})
+    return out
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The files of a model folder that integrity checks cover."""
+    found = {p for pattern in FOLDER_PATTERNS for p in folder.glob(pattern) if p.is_file()}
+    return sorted(found)
+
+
+def write_manifest(folder: Path, *, progress: bool = True) -> Path:
+    """Hash every model file of `folder` into folder/manifest.json (atomically)."""
+    files = model_files(folder)
+    if not files:
+        raise RegistryError(f"{folder} holds no model files ({', '.join(FOLDER_PATTERNS)})")
+    digests = {p.name: _sha256_file(p, progress=progress, label=f"hashing {p.name}") for p in files}
+    for p in files:
+        _remember_digest(p, digests[p.name])
+    target = folder / MANIFEST
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"files": digests}, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, target)
+    return target
+
+
+def check_folder_integrity(
+    folder: Path, *, trust_unverified: bool = False, progress: bool = True
+) -> bool:
+    """Check every model file of a folder against its manifest.json. True when all are
+    verified, False when the folder has no manifest. A mismatch, or a model file the
+    manifest does not list, raises IntegrityError unless `trust_unverified`."""
+    listed = read_manifest(folder)
+    if not listed:
+        return False
+    problems = []
+    for path in model_files(folder):
+        digest = listed.get(path.name)
+        if digest is None:
+            problems.append(f"{path.name} is not listed in {folder / MANIFEST}")
+            continue
+        actual = file_sha256(path, progress=progress)
+        if actual != digest:
+            problems.append(
+                f"{path.name}: the manifest expects sha256 {digest}, the file has {actual}"
+            )
+    missing = [name for name in listed if not (folder / name).is_file()]
+    problems += [f"{name} is listed in the manifest but missing" for name in missing]
+    if not problems:
+        return True
+    message = (
+        f"{folder} fails its integrity check: " + "; ".join(problems) + ". Restore the "
+        "files, or pass --trust-unverified to load them anyway"
+    )
+    if trust_unverified:
+        _console().print(f"[red]WARNING[/red] loading unverified files: {message}")
+        return False
+    raise IntegrityError(message)
 
 
 def check_integrity(path: Path, *, trust_unverified: bool = False, progress: bool = True) -> bool:
