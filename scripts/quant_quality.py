@@ -104,7 +104,8 @@ def main() -> int:
     for r in rows:
         print(
             f"{r['dtype']:>9} {r['weights_gb']:5.2f} {r['perplexity']:7.3f} "
-            f"{r['agreement_prefix_mean']:6.1%} {r['identical_share']:5.0%} {r['tok_s_median']:6.2f}"
+            f"{r['agreement_prefix_mean']:6.1%} {r['identical_share']:5.0%} "
+            f"{r['tok_s_median']:6.2f}"
         )
     print(f"wrote {args.out}")
     return 0
