@@ -208,3 +208,19 @@ def test_server_flags_a_prompt_the_draft_predicts_badly(chat_model: Model) -> No
     assert injected["baseline_acceptance"] > 0.5
     assert not after["anomaly"]
     assert flagged == 1.0
+
+
+def test_low_acceptance_warning_names_the_draft(caplog: pytest.LogCaptureFixture) -> None:
+    from speculant.server.metrics import ServerMetrics
+
+    m = ServerMetrics("target-x", "draft-y", "draft")
+    with caplog.at_level("WARNING", logger="speculant.server"):
+        for _ in range(30):
+            m.record_step(5, 4)  # 80%: fine
+        assert not caplog.records
+        for _ in range(300):
+            m.record_step(5, 1)  # 20%: the window drops below 70%
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1  # once, then rate-limited
+    assert "draft-y" in warnings[0] and "--num-speculative-tokens" in warnings[0]
+    assert m.recent_acceptance() == pytest.approx(0.2, abs=0.01)
