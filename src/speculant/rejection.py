@@ -93,3 +93,92 @@ def _pad_vocab(q: Tensor, vocab: int) -> Tensor:
     if q.shape[-1] > vocab:
         raise ValueError(f"draft vocab {q.shape[-1]} is larger than the target vocab {vocab}")
     return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """Outcome of verifying a draft tree.
+
+    path: indices of the accepted nodes, root to leaf (empty when none was accepted).
+    token_ids: their tokens followed by exactly one new token (the correction drawn at
+        the node where acceptance stopped, or the bonus below an accepted leaf).
+    """
+
+    path: list[int]
+    token_ids: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+def verify_tree(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    p_target: Tensor,
+    generator: torch.Generator | None,
+    q_nodes: Tensor | None = None,
+) -> TreeVerdict:
+    """Apply the lossless rule to a tree of drafts (recursive rejection over siblings,
+    as in SpecInfer, Miao et al. 2024).
+
+    tokens: n drafted tokens, one per node; parents: each node's parent index, -1 for
+        children of the root (the last committed token). Siblings are tried in the
+        order given (put the draft's preferred candidate first).
+    p_target: [n + 1, vocab]: row 0 is the target's distribution after the root,
+        row i + 1 the distribution after node i (the tree's tokens on its path).
+    q_nodes: [n, vocab_q] the distribution each node's token was drawn from (siblings
+        drawn independently from their parent's q), or None for deterministic
+        candidates (top-k expansion, as EAGLE-2 does): point masses.
+
+    At a node with target distribution p, each child x in turn is accepted with
+    probability min(1, p(x) / q(x)); after a rejection p becomes normalize(max(0, p - q))
+    (for a point mass: p with x removed). If a child is accepted, descend into it; if
+    none is, draw the correction from the remaining p. The token emitted at every node
+    is therefore distributed exactly as p, so the output is the target's distribution.
+    Greedy (one-hot p) reduces to following the child equal to the target's argmax.
+    """
+    n = len(tokens)
+    if len(parents) != n:
+        raise ValueError(f"{len(parents)} parents for {n} tree nodes")
+    if p_target.shape[0] != n + 1:
+        raise ValueError(f"p_target has {p_target.shape[0]} rows, expected n + 1 = {n + 1}")
+    children: list[list[int]] = [[] for _ in range(n + 1)]  # by row: 0 = root
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}: parents must come first")
+        children[parent + 1].append(i)
+    vocab = p_target.shape[-1]
+    q_rows = _pad_vocab(q_nodes.float(), vocab) if q_nodes is not None else None
+    path: list[int] = []
+    row = 0
+    while True:
+        p = p_target[row].float().clone()
+        accepted = None
+        for child in children[row]:
+            x = int(tokens[child])
+            total = float(p.sum())
+            if total <= 0:
+                break
+            if q_rows is None:
+                ratio = float(p[x]) / total  # a point mass: q(x) = 1
+                if float(torch.rand(1, generator=generator)) < ratio:
+                    accepted = child
+                    break
+                p[x] = 0.0
+            else:
+                q = q_rows[child]
+                if float(torch.rand(1, generator=generator)) * float(q[x]) * total < float(p[x]):
+                    accepted = child
+                    break
+                p = (p / total - q).clamp_min(0.0)
+        if accepted is None:
+            if float(p.sum()) <= 0:  # rounding when p == q: p itself is the answer
+                p = p_target[row].float()
+            fix = sample((p / p.sum())[None], generator)
+            return TreeVerdict(path, [int(tokens[i]) for i in path] + [int(fix[0])])
+        path.append(accepted)
+        row = accepted + 1
+        if not children[row]:
+            bonus = sample(p_target[row : row + 1].float(), generator)
+            return TreeVerdict(path, [int(tokens[i]) for i in path] + [int(bonus[0])])

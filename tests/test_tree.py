@@ -1,0 +1,101 @@
+"""The lossless rule on draft trees (recursive rejection over siblings): greedy follows
+the target's argmax, and sampled output follows the target's distribution exactly,
+with deterministic (top-k) and with sampled candidates."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from test_distribution import chi2_rejects
+
+from speculant.rejection import verify_tree
+
+VOCAB = 6
+# root -> [a=2, b=4]; a -> [c=1, d=3]; b -> [e=0]
+TOKENS = [2, 4, 1, 3, 0]
+PARENTS = [-1, -1, 0, 0, 1]
+
+
+def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-token distribution P1 [vocab] and second-token P2 [vocab, vocab]."""
+    g = torch.Generator().manual_seed(seed)
+    p1 = torch.softmax(torch.randn(VOCAB, generator=g) * 1.5, -1)
+    p2 = torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 1.5, -1)
+    return p1, p2
+
+
+def _p_rows(p1: torch.Tensor, p2: torch.Tensor) -> torch.Tensor:
+    """Row 0: after the root; row i+1: after node i (its path's tokens)."""
+    rows = [p1]
+    for i, tok in enumerate(TOKENS):
+        depth_one = PARENTS[i] == -1
+        rows.append(p2[tok] if depth_one else torch.full((VOCAB,), 1.0 / VOCAB))
+    return torch.stack(rows)
+
+
+def test_greedy_follows_the_argmax_path() -> None:
+    p = torch.zeros(len(TOKENS) + 1, VOCAB)
+    p[0, 2] = 1  # the target wants a (node 0)
+    p[1, 3] = 1  # then d (node 3)
+    p[4, 5] = 1  # then 5 after d: the bonus
+    v = verify_tree(TOKENS, PARENTS, p, None)
+    assert v.path == [0, 3] and v.token_ids == [2, 3, 5]
+    p[1] = 0
+    p[1, 5] = 1  # after a the target wants 5: no child matches
+    v = verify_tree(TOKENS, PARENTS, p, None)
+    assert v.path == [0] and v.token_ids == [2, 5]
+    p[0] = 0
+    p[0, 3] = 1  # neither a nor b
+    v = verify_tree(TOKENS, PARENTS, p, None)
+    assert v.path == [] and v.token_ids == [3]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_sampled_tree_output_follows_target(sampled: bool) -> None:
+    p1, p2 = _tables(3)
+    p_rows = _p_rows(p1, p2)
+    q = None
+    tokens = list(TOKENS)
+    g = torch.Generator().manual_seed(0)
+    n = 6000
+    first: Counter = Counter()  # type: ignore[type-arg]
+    second: Counter = Counter()  # type: ignore[type-arg]
+    accepted_a = 0
+    draft_q = torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(9)), -1)
+    for _ in range(n):
+        if sampled:
+            # siblings drawn i.i.d. from q at the root; deeper nodes kept fixed, with q
+            # a point mass there (a mix of both kinds in one tree)
+            a, b = (int(t) for t in torch.multinomial(draft_q, 2, True, generator=g))
+            tokens = [a, b, 1, 3, 0]
+            q = torch.stack([draft_q, draft_q, *torch.eye(VOCAB)[[1, 3, 0]]])
+            p_rows = torch.stack([p1, p2[a], p2[b], *[torch.full((VOCAB,), 1.0 / VOCAB)] * 3])
+        v = verify_tree(tokens, PARENTS, p_rows, g, q)
+        first[v.token_ids[0]] += 1
+        if v.token_ids[0] == tokens[0] and v.path[:1] == [0]:
+            accepted_a += 1
+        if len(v.token_ids) > 1 and v.token_ids[0] == 2:
+            second[v.token_ids[1]] += 1
+    expected = {t: float(p1[t]) for t in range(VOCAB)}
+    rejected, stat, crit = chi2_rejects(first, expected, n)
+    assert not rejected, f"first token does not follow p: chi2={stat:.1f} > {crit:.1f}"
+    assert 0 < accepted_a < n
+    if not sampled:
+        # after the first token 2 (node a, always accepted when emitted), the second
+        # token follows P2[2]
+        m = sum(second.values())
+        rejected, stat, crit = chi2_rejects(second, {t: float(p2[2, t]) for t in range(VOCAB)}, m)
+        assert not rejected, f"second token does not follow p: chi2={stat:.1f} > {crit:.1f}"
+    # power: the same counts reject a wrong distribution
+    wrong = {t: float(v) for t, v in enumerate(torch.softmax(torch.zeros(VOCAB), -1))}
+    assert chi2_rejects(first, wrong, n)[0]
+
+
+def test_tree_shape_is_checked() -> None:
+    p = torch.full((3, VOCAB), 1.0 / VOCAB)
+    with pytest.raises(ValueError, match="parents must come first"):
+        verify_tree([1, 2], [1, -1], p, None)
+    with pytest.raises(ValueError, match="rows"):
+        verify_tree([1, 2, 3], [-1, 0, 0], p, None)
