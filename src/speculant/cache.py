@@ -73,6 +73,18 @@ class KVCache:
             raise ValueError(f"truncate({length}) outside [0, {self.capacity}]")
         self.length = length
 
+    def compact(self, start: int, kept: list[int]) -> None:
+        """Keep, of the rows written at start.., those at offsets `kept` (an accepted
+        path of a draft tree), moved to start, start+1, ...; length becomes
+        start + len(kept). Rows before `start` are untouched."""
+        if any(not 0 <= j < self.rows - start for j in kept) or sorted(kept) != kept:
+            raise ValueError(f"compact({start}, {kept}): offsets must be increasing and inside")
+        src = torch.tensor([start + j for j in kept], dtype=torch.long)
+        dst = slice(start, start + len(kept))
+        self.k[:, :, :, dst] = self.k[:, :, :, src]
+        self.v[:, :, :, dst] = self.v[:, :, :, src]
+        self.length = start + len(kept)
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

@@ -195,11 +195,39 @@ class Weights:
 
 @dataclass
 class Segment:
-    """One sequence's part of a batched pass: tokens [T] at positions start..start+T-1."""
+    """One sequence's part of a batched pass: tokens [T] written to cache rows
+    start..start+T-1, attending causally (a chain).
+
+    A draft tree sets `tree_parents`: token i's parent among the T tokens (-1: the
+    committed context). Each token then attends to the context and to its own
+    ancestors only, and takes the rotary position start + its depth."""
 
     tokens: Tensor  # [T] int64
     cache: KVCache
     start: int
+    tree_parents: list[int] | None = None  # [T]
+
+
+def _tree_layout(parents: list[int], start: int, rows: int, span: int) -> tuple[Tensor, Tensor]:
+    """(rotary positions [rows], visibility [rows, span]) of a draft tree written at
+    cache rows start..; padding rows past the tree attend like a chain after it."""
+    n = len(parents)
+    depth = [0] * n
+    visible = torch.zeros(rows, span, dtype=torch.bool)
+    visible[:, :start] = True  # the committed context
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"tree node {i} has parent {parent}: parents must come first")
+        depth[i] = depth[parent] + 1 if parent >= 0 else 0
+        if parent >= 0:
+            visible[i] = visible[parent]
+        visible[i, start + i] = True
+    positions = [start + d for d in depth]
+    deepest = max(positions, default=start - 1)
+    for r in range(n, rows):  # padding: never read back, but kept finite
+        visible[r, : start + r + 1] = True
+        positions.append(deepest + 1 + r - n)
+    return torch.tensor(positions), visible
 
 
 @dataclass
@@ -367,17 +395,20 @@ class Transformer:
         c = self.config
         start, end = seg.start, seg.start + rows
         span = seg.cache.key_span(end)  # keys read by attention, block-rounded
-        q_pos = torch.arange(start, end)
         k_pos = torch.arange(span)
-        causal = k_pos[None, :] <= q_pos[:, None]  # [rows, span]
+        if seg.tree_parents is None:
+            q_pos = torch.arange(start, end)  # rotary positions = cache rows
+            causal = k_pos[None, :] <= q_pos[:, None]  # [rows, span]
+            rope = slice(start, end)
+        else:
+            q_pos, causal = _tree_layout(seg.tree_parents, start, rows, span)
+            rope = q_pos  # type: ignore[assignment]
         window = (
             causal & (q_pos[:, None] - k_pos[None, :] < c.sliding_window)
             if c.sliding_window
             else causal
         )
-        return _SegmentContext(
-            causal, window, self._rope_full[:, start:end], self._rope_local[:, start:end]
-        )
+        return _SegmentContext(causal, window, self._rope_full[:, rope], self._rope_local[:, rope])
 
     def _attention(
         self,

@@ -91,6 +91,20 @@ class Model:
         assert logits is not None
         return logits
 
+    def forward_tree(
+        self, token_ids: Sequence[int], parents: Sequence[int], cache: KVCache, start: int
+    ) -> Tensor:
+        """Logits [n, vocab] float32 of a draft tree's n nodes written at cache rows
+        start..; node i attends to the context and its ancestors (parents[i], -1 for the
+        context) and sits at position start + its depth. Keep the accepted path with
+        cache.compact(start, path)."""
+        seg = Segment(
+            torch.as_tensor(list(token_ids), dtype=torch.long), cache, start, list(parents)
+        )
+        logits, _ = self.net.forward_batch([seg])
+        assert logits is not None
+        return logits[0]
+
     def prefill(
         self, token_ids: Sequence[int], cache: KVCache, start: int = 0, chunk: int = 256
     ) -> None:
