@@ -9,9 +9,10 @@ agree bitwise, or a near-tie argmax flips and greedy speculative output drifts.
 
 So the padding is not assumed, it is measured: `calibrate` runs the decoder's own ops
 (the projections with the model's real weights, both attention matmuls at the model's
-head layout) at every padded row count up to CALIBRATION_ROWS and keeps the first
-(least rows, row multiple) rule under which every row is bitwise the same at every
-count. The answer is remembered per dtype, shapes and thread count.
+head layout) at every padded row count up to CALIBRATION_ROWS, and the projections also
+behind other sequences' rows (a batched pass), and keeps the first (least rows, row
+multiple) rule under which every row is bitwise the same in all of them. The answer
+is remembered per dtype, shapes and thread count.
 """
 
 from __future__ import annotations
@@ -53,10 +54,21 @@ def _row_counts(padding: Padding) -> list[int]:
     return sorted({padded_rows(n, padding) for n in range(1, CALIBRATION_ROWS + 1)})
 
 
-def _invariant(op: Callable[[Tensor], Tensor], x: Tensor, counts: list[int]) -> bool:
-    """op maps [m, ...] rows to [m, ...] rows; True when every row is the same at every m."""
+def _invariant(op: Callable[[Tensor], Tensor], x: Tensor, counts: list[int], shifted: bool) -> bool:
+    """op maps [m, ...] rows to [m, ...] rows; True when every row is the same at every
+    m, and (`shifted`) when a segment placed after other padded segments in a batched
+    pass (an offset that is itself a padded count) gets the same rows as alone."""
     ref = op(x[: counts[-1]])
-    return all(torch.equal(op(x[:m]), ref[:m]) for m in counts[:-1])
+    if not all(torch.equal(op(x[:m]), ref[:m]) for m in counts[:-1]):
+        return False
+    if not shifted:
+        return True
+    for offset in (counts[0], counts[0] + counts[1] if len(counts) > 1 else 2 * counts[0]):
+        for m in counts[:3]:
+            other = torch.flip(x[:offset], dims=[0])  # some other sequence's rows
+            if not torch.equal(op(torch.cat([other, x[:m]]))[offset:], ref[:m]):
+                return False
+    return True
 
 
 def _ops(
@@ -134,7 +146,11 @@ def calibrate(config: ModelConfig, weights: Weights, dtype: torch.dtype) -> Padd
     with torch.inference_mode():
         for padding in CANDIDATES:
             counts = _row_counts(padding)
-            if all(_invariant(op, x, counts) for op, x in zip(ops, inputs, strict=True)):
+            # ops[0:2] are attention (run per segment); the rest see batched rows
+            if all(
+                _invariant(op, x, counts, shifted=i >= 2)
+                for i, (op, x) in enumerate(zip(ops, inputs, strict=True))
+            ):
                 chosen = padding
                 break
     _KNOWN[key] = chosen
