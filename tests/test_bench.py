@@ -105,6 +105,8 @@ def test_outputs_json_csv_plots(result: BenchResult, tmp_path: Path) -> None:
         png = tmp_path / name
         assert png in paths and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     render_table(result)  # renders without error
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("\n| ") == len(result.rows) + 1 and "| speedup |" in md
 
 
 def test_sampled_runs_skip_the_identity_check(pair: tuple[Model, Model]) -> None:

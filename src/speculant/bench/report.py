@@ -63,11 +63,12 @@ ROW_FIELDS = (
 
 
 def write_outputs(result: BenchResult, out: Path, plots: bool = True) -> list[Path]:
-    """results.json, results.csv and (unless plots=False) the PNG plots, in `out`."""
+    """results.json, results.csv, results.md and (unless plots=False) the PNG plots."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.json", out / "results.csv"]
+    paths = [out / "results.json", out / "results.csv", out / "results.md"]
     paths[0].write_text(json.dumps(result.to_dict(), indent=1, ensure_ascii=False) + "\n")
     write_csv(result.rows, paths[1])
+    paths[2].write_text(markdown(result.to_dict()), encoding="utf-8")
     if plots:
         paths += write_plots(result.rows, out)
     return paths
@@ -87,6 +88,49 @@ def write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
         writer.writerow(ROW_FIELDS)
         for row in rows:
             writer.writerow([_cell(row.get(f)) for f in ROW_FIELDS])
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The table of a results.json as Markdown (for docs and reports)."""
+    meta = data["meta"]
+    measured = bool(meta.get("energy_measured"))
+    lines = [
+        f"Command: `{meta.get('command') or 'run_bench(...)'}`  ",
+        f"Machine: {meta['machine']['cpu']}, torch {meta['machine']['torch']}, "
+        f"{meta['machine']['torch_threads']} threads. Energy: {meta['energy_source']}.",
+        "",
+        "| workload | method | tok/s (min-max) | speedup | decode | theory | same | accept "
+        "| tok/step | TTFT s | mem MB | J/tok" + ("" if measured else "*") + " |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["workload"],
+                    f"`{r['method']}`" if r["kind"] == "speculant" else f"*{r['method']}*",
+                    f"{r['tok_s_median']:.2f} ({r['tok_s_min']:.1f}-{r['tok_s_max']:.1f})",
+                    _f(r["speedup"], ".2f", "x"),
+                    _f(r["decode_speedup"], ".2f", "x"),
+                    _f(r["theoretical_speedup"], ".2f", "x"),
+                    _f(r["identical_share"], ".0%"),
+                    _f(r["acceptance_rate"], ".2f"),
+                    _f(r["mean_accepted_length"], ".2f"),
+                    _f(r["ttft_s_median"], ".2f"),
+                    _f(r["peak_memory_mb"], ",.0f"),
+                    _f(r["energy_j_per_token"], ".2f"),
+                ]
+            )
+            + " |"
+        )
+    peers = {r["method"]: r["description"] for r in data["rows"] if r["kind"] == "peer"}
+    if peers:
+        lines += ["", "Peers (in italics):"]
+        lines += [f"- *{name}*: {text}" for name, text in peers.items()]
+    for note in data.get("skipped", []):
+        lines.append(f"- skipped: {note}")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- terminal table
