@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
+from speculant.argtypes import k_value
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -63,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--num-speculative-tokens",
         "-k",
-        type=_k_value,
+        type=k_value,
         default=5,
         metavar="K",
         help="tokens drafted per verification pass (γ), or 'auto' to choose "
@@ -193,18 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     return parser
-
-
-def _k_value(text: str) -> int | str:
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer 0..64 or 'auto'") from None
-    if not 0 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use 0..64 or 'auto'")
-    return value
 
 
 def _int_list(text: str) -> list[int]:

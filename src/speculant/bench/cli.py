@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from speculant.argtypes import positive_int
 from speculant.bench.measure import DEFAULT_WATTS_PER_CORE
 from speculant.bench.peers import PEER_GROUPS, PEER_NAMES
 from speculant.bench.workloads import WORKLOAD_NAMES
@@ -57,16 +58,6 @@ def _workloads(text: str) -> list[str]:
     return names
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 1")
-    return value
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` on the `speculant` command's subparsers."""
     p = subparsers.add_parser(
@@ -107,15 +98,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=[],
         help="comma-separated peers or groups (all, hf, llama); default none",
     )
-    p.add_argument("--limit", type=_positive, default=None, help="prompts per workload (all: 10)")
+    p.add_argument(
+        "--limit", type=positive_int, default=None, help="prompts per workload (all: 10)"
+    )
     p.add_argument(
         "--peer-limit",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="prompts per workload for the peers (default: as --limit); speedups stay "
         "per-prompt against our baseline on the same prompts",
     )
-    p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per generation")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per generation")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -123,7 +116,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4"])
     p.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4"])
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench"), help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generations")

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from speculant.argtypes import k_value, port, positive_int
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 EPILOG = """\
@@ -22,35 +24,6 @@ then, with any OpenAI client:
     -d '{"model": "qwen2.5-coder-1.5b-instruct", "messages": [{"role": "user", "content": "hi"}]}'
   curl http://127.0.0.1:8000/metrics       # Prometheus, acceptance rate included
 """
-
-
-def _k(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer 0..64 or 'auto'") from None
-    if not 0 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use 0..64 or 'auto'")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 1")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _positive(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use 1..65535")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -78,23 +51,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--num-speculative-tokens",
         "-k",
-        type=_k,
+        type=k_value,
         default=5,
         help="tokens drafted per step, 0..64 or auto (default 5)",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--port", type=port, default=8000)
     p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECULANT_API_KEY)",
     )
     p.add_argument(
-        "--max-model-len", type=_positive, default=None, help="context length (default: model's)"
+        "--max-model-len", type=positive_int, default=None, help="context length (default: model's)"
     )
     p.add_argument(
         "--max-num-seqs",
-        type=_positive,
+        type=positive_int,
         default=8,
         help="requests decoded at once; more wait in order (default 8)",
     )
@@ -103,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4"])
     p.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4"])
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument(
         "--stream-cadence-ms",
         type=float,
