@@ -160,3 +160,21 @@ def test_int4_greedy_draft_is_lossless(tiny_root) -> None:  # type: ignore[no-un
     )
     assert res.token_ids == plain_greedy(target, prompt, 40)
     assert 0 < res.stats.num_accepted < res.stats.num_drafted  # agreement, imperfect
+
+
+def test_attention_values_do_not_depend_on_the_span() -> None:
+    """Extending the key span with masked keys (zero probability) leaves the attention
+    output bitwise unchanged; one plain matmul over the span did not (span 1088 vs 1152
+    on one project CPU), and greedy output drifted on long prompts."""
+    from speculant.models.decoder import attend_values
+
+    gen = torch.Generator().manual_seed(0)
+    for span in (64, 512, 1088, 1536):
+        values = torch.randn(2, span + 128, 128, generator=gen).bfloat16()
+        probs = torch.softmax(torch.randn(2, 6, span, generator=gen), -1).bfloat16()
+        a = attend_values(probs, values[:, :span])
+        for extra in (64, 128):
+            padded = torch.cat([probs, torch.zeros(2, 6, extra, dtype=probs.dtype)], -1)
+            assert torch.equal(attend_values(padded, values[:, : span + extra]), a), span
+        ref = torch.matmul(probs.float(), values[:, :span].float())
+        assert torch.allclose(a.float(), ref, atol=2e-2)

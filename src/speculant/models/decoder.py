@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speculant.cache import KVCache
+from speculant.cache import KEY_BLOCK, KVCache
 from speculant.models.config import ModelConfig
 from speculant.models.numerics import Padding, calibrate, padded_rows
 
@@ -238,6 +238,27 @@ class _SegmentContext:
     rope_local: Tensor  # [2, rows, head_dim]
 
 
+def attend_values(probs: Tensor, values: Tensor) -> Tensor:
+    """probs [b, M, span] @ values [b, span, hd] -> [b, M, hd], span a multiple of
+    KEY_BLOCK, computed so that the result does not depend on the span.
+
+    One matmul over the whole span picks its reduction blocking by the span's length,
+    so extending the span with masked (zero-probability) keys changed the last bits on
+    one project CPU (span 1088 vs 1152). Here every KEY_BLOCK of keys is its own small
+    matmul (one batched call) and the blocks are added in order in float32: blocks past
+    the query's keys add exact zeros, whatever the span."""
+    b, m, span = probs.shape
+    nb = span // KEY_BLOCK
+    parts = torch.matmul(
+        probs.view(b, m, nb, KEY_BLOCK).transpose(1, 2),  # [b, nb, M, block]
+        values.view(b, nb, KEY_BLOCK, values.shape[-1]),  # [b, nb, block, hd]
+    )  # [b, nb, M, hd]
+    out = parts[:, 0].float()
+    for i in range(1, nb):
+        out = out + parts[:, i].float()
+    return out.to(probs.dtype)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x: [..., d] -> [..., d]; computed in float32, returned in x's dtype."""
     xf = x.float()
@@ -445,7 +466,7 @@ class Transformer:
             scores = torch.matmul(qg, keys[0].transpose(1, 2)) * c.scale  # [nkv, rep*T, span]
             scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
             probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
-            out = torch.matmul(probs, values[0])  # [nkv, rep*T, hd]
+            out = attend_values(probs, values[0])  # [nkv, rep*T, hd]
             outs.append(out.view(nh, t, hd).transpose(0, 1).reshape(t, nh * hd))
         return linear(torch.cat(outs) if len(outs) > 1 else outs[0], lw.wo)
 

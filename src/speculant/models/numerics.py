@@ -75,7 +75,7 @@ def _ops(
     config: ModelConfig, weights: Weights, dtype: torch.dtype
 ) -> list[Callable[[Tensor], Tensor]]:
     """The decoder's row-dependent ops, as functions of [T, width] inputs."""
-    from speculant.models.decoder import linear
+    from speculant.models.decoder import attend_values, linear
 
     c = config
     lw = weights.layers[0]
@@ -96,7 +96,7 @@ def _ops(
         return ungrouped(torch.matmul(grouped(x, hd), keys.transpose(1, 2)), x.shape[0])
 
     def mix(x: Tensor) -> Tensor:
-        return ungrouped(torch.matmul(grouped(x, span), keys), x.shape[0])
+        return ungrouped(attend_values(grouped(x, span), keys), x.shape[0])
 
     def projection(w: Linear, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
         return lambda x: linear(x, w, bias)
