@@ -101,15 +101,6 @@ class DraftModelProposer:
         self._committed = len(context)
         return missing
 
-    def _sync(self, context: Sequence[int]) -> torch.Tensor:
-        """Make the cache hold context[:-1] and feed context[-1]: its logits [vocab]."""
-        missing = self._plan(context)
-        assert self._cache is not None
-        if len(missing) > 1:
-            self.model.prefill(missing[:-1], self._cache, len(context) - len(missing))
-        logits = self.model.forward(missing[-1:], self._cache, len(context) - 1)
-        return logits[-1]
-
     @staticmethod
     def propose_many(
         proposers: Sequence[DraftModelProposer],
@@ -133,7 +124,7 @@ class DraftModelProposer:
         for p, ctx in zip(proposers, contexts, strict=True):
             missing = p._plan(ctx)
             assert p._cache is not None
-            if len(missing) > 1:  # a new prompt, or all drafts kept: as in _sync
+            if len(missing) > 1:  # a new prompt, or all drafts kept
                 model.prefill(missing[:-1], p._cache, len(ctx) - len(missing))
             batch.append((missing[-1:], p._cache, len(ctx) - 1))
         last = [rows[-1] for rows in model.forward_batch(batch)]  # [vocab] each
@@ -170,16 +161,4 @@ class DraftModelProposer:
     ) -> Draft:
         if k <= 0:
             return Draft([])
-        assert self._cache is not None, "begin() was not called"
-        logits = self._sync(context)
-        ids: list[int] = []
-        rows = []
-        for i in range(k):
-            q = process_logits(logits[None], params)  # [1, vocab_q]
-            token = int(q[0].argmax()) if params.greedy else int(sample(q, generator)[0])
-            ids.append(token)
-            rows.append(q[0])
-            if i + 1 < k:
-                logits = self.model.forward([token], self._cache, len(context) + i)[-1]
-                self._cached_ids.append(token)
-        return Draft(ids, torch.stack(rows))
+        return DraftModelProposer.propose_many([self], [context], [k], [params], [generator])[0]
