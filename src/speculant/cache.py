@@ -73,17 +73,22 @@ class KVCache:
             raise ValueError(f"truncate({length}) outside [0, {self.capacity}]")
         self.length = length
 
-    def compact(self, start: int, kept: list[int]) -> None:
-        """Keep, of the rows written at start.., those at offsets `kept` (an accepted
-        path of a draft tree), moved to start, start+1, ...; length becomes
-        start + len(kept). Rows before `start` are untouched."""
-        if any(not 0 <= j < self.rows - start for j in kept) or sorted(kept) != kept:
-            raise ValueError(f"compact({start}, {kept}): offsets must be increasing and inside")
-        src = torch.tensor([start + j for j in kept], dtype=torch.long)
-        dst = slice(start, start + len(kept))
-        self.k[:, :, :, dst] = self.k[:, :, :, src]
-        self.v[:, :, :, dst] = self.v[:, :, :, src]
-        self.length = start + len(kept)
+    def keep_path(self, start: int, tree_kv: list[tuple[Tensor, Tensor]], nodes: list[int]) -> None:
+        """After a tree pass at `start`: write the keys and values of the tree nodes
+        `nodes` (the accepted path, root first) at rows start, start+1, ..., and set
+        length to start + len(nodes). tree_kv: per layer ([1, nkv, n, hd] keys, values)
+        of every node (decoder.Segment.tree_kv). Rows before `start` are untouched."""
+        if len(tree_kv) != self.k.shape[0]:
+            raise ValueError(f"tree_kv has {len(tree_kv)} layers, the cache {self.k.shape[0]}")
+        n = tree_kv[0][0].shape[2] if tree_kv else 0
+        if any(not 0 <= j < n for j in nodes) or start + len(nodes) > self.capacity:
+            raise ValueError(f"keep_path({start}, nodes={nodes}): nodes must be in 0..{n - 1}")
+        idx = torch.tensor(nodes, dtype=torch.long)
+        dst = slice(start, start + len(nodes))
+        for layer, (k, v) in enumerate(tree_kv):
+            self.k[layer, :, :, dst] = k[:, :, idx]
+            self.v[layer, :, :, dst] = v[:, :, idx]
+        self.length = start + len(nodes)
 
     @property
     def nbytes(self) -> int:

@@ -200,34 +200,59 @@ class Segment:
 
     A draft tree sets `tree_parents`: token i's parent among the T tokens (-1: the
     committed context). Each token then attends to the context and to its own
-    ancestors only, and takes the rotary position start + its depth."""
+    ancestors only, at the rotary position start + its depth, and gets bitwise the
+    logits it would get at the end of its path run as a chain (see `tree_paths`).
+    The pass leaves the cache's rows from `start` on unspecified and fills `tree_kv`
+    (every node's keys and values, per layer); `KVCache.keep_path` then writes the
+    accepted path's rows."""
 
     tokens: Tensor  # [T] int64
     cache: KVCache
     start: int
     tree_parents: list[int] | None = None  # [T]
+    tree_kv: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
-def _tree_layout(parents: list[int], start: int, rows: int, span: int) -> tuple[Tensor, Tensor]:
-    """(rotary positions [rows], visibility [rows, span]) of a draft tree written at
-    cache rows start..; padding rows past the tree attend like a chain after it."""
-    n = len(parents)
-    depth = [0] * n
-    visible = torch.zeros(rows, span, dtype=torch.bool)
-    visible[:, :start] = True  # the committed context
+@dataclass
+class _TreePath:
+    """One root-to-leaf path of a tree, run as a chain: `nodes` its node indices by
+    depth, `own` the positions along it whose results this path provides (each node
+    is computed by exactly one path)."""
+
+    nodes: Tensor  # [L] int64
+    own: Tensor  # [m] int64 positions along the path
+    rows: int  # L padded like a chain of L tokens
+    causal: Tensor  # [rows, span] bool
+    window: Tensor  # [rows, span] bool
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of every node (0 for children of the context); parents must come first."""
+    depth: list[int] = []
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             raise ValueError(f"tree node {i} has parent {parent}: parents must come first")
-        depth[i] = depth[parent] + 1 if parent >= 0 else 0
+        depth.append(depth[parent] + 1 if parent >= 0 else 0)
+    return depth
+
+
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    """Root-to-leaf paths of a tree (one per leaf, in node order), each a chain of
+    node indices; a tree with several roots (-1 parents) is a forest of chains."""
+    tree_depths(parents)  # validates
+    has_child = [False] * len(parents)
+    for parent in parents:
         if parent >= 0:
-            visible[i] = visible[parent]
-        visible[i, start + i] = True
-    positions = [start + d for d in depth]
-    deepest = max(positions, default=start - 1)
-    for r in range(n, rows):  # padding: never read back, but kept finite
-        visible[r, : start + r + 1] = True
-        positions.append(deepest + 1 + r - n)
-    return torch.tensor(positions), visible
+            has_child[parent] = True
+    paths = []
+    for leaf in (i for i, c in enumerate(has_child) if not c):
+        path = []
+        node = leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
 
 
 @dataclass
@@ -236,6 +261,7 @@ class _SegmentContext:
     window: Tensor  # [rows, span] bool (sliding-window layers)
     rope_full: Tensor  # [2, rows, head_dim]
     rope_local: Tensor  # [2, rows, head_dim]
+    paths: list[_TreePath] | None = None  # a tree segment's chains
 
 
 def attend_values(probs: Tensor, values: Tensor) -> Tensor:
@@ -378,6 +404,8 @@ class Transformer:
         x = F.embedding(torch.cat(parts), w.tok_embeddings)  # [sum rows, dim]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=self.dtype)
+        for seg in segments:
+            seg.tree_kv = []
         ctx = [
             self._segment_context(seg, rows)
             for seg, (_, rows, _) in zip(segments, spans, strict=True)
@@ -399,7 +427,7 @@ class Transformer:
             if trace is not None:
                 trace.append(x[: spans[0][2]])
         for seg, (_, _, n_real) in zip(segments, spans, strict=True):
-            seg.cache.length = seg.start + n_real
+            seg.cache.length = seg.start + (n_real if seg.tree_parents is None else 0)
         hidden = rms_norm(x, w.norm, c.norm_eps)  # [sum rows, dim]
         out_logits = None
         if logits:
@@ -413,23 +441,56 @@ class Transformer:
 
     def _segment_context(self, seg: Segment, rows: int) -> _SegmentContext:
         """Masks and rotary tables of one segment's padded rows."""
-        c = self.config
         start, end = seg.start, seg.start + rows
-        span = seg.cache.key_span(end)  # keys read by attention, block-rounded
-        k_pos = torch.arange(span)
-        if seg.tree_parents is None:
-            q_pos = torch.arange(start, end)  # rotary positions = cache rows
-            causal = k_pos[None, :] <= q_pos[:, None]  # [rows, span]
-            rope = slice(start, end)
-        else:
-            q_pos, causal = _tree_layout(seg.tree_parents, start, rows, span)
-            rope = q_pos  # type: ignore[assignment]
-        window = (
-            causal & (q_pos[:, None] - k_pos[None, :] < c.sliding_window)
-            if c.sliding_window
-            else causal
-        )
+        if seg.tree_parents is not None:
+            return self._tree_context(seg, rows)
+        q_pos = torch.arange(start, end)  # rotary positions = cache rows
+        causal, window = self._masks(q_pos, seg.cache.key_span(end))
+        rope = slice(start, end)
         return _SegmentContext(causal, window, self._rope_full[:, rope], self._rope_local[:, rope])
+
+    def _masks(self, q_pos: Tensor, span: int) -> tuple[Tensor, Tensor]:
+        """(causal, sliding-window) visibility [rows, span] of queries at q_pos."""
+        k_pos = torch.arange(span)
+        causal = k_pos[None, :] <= q_pos[:, None]
+        window = self.config.sliding_window
+        if window:
+            return causal, causal & (q_pos[:, None] - k_pos[None, :] < window)
+        return causal, causal
+
+    def _tree_context(self, seg: Segment, rows: int) -> _SegmentContext:
+        """A tree runs as its root-to-leaf paths: each path is attended exactly as a
+        chain of its length (its keys at rows start.., the chain's padding, span and
+        masks), so every node's result is bitwise its path's chain result. Summing
+        attention over a tree's own key layout (siblings masked between ancestors)
+        rounds differently, which could flip a near-tie argmax and break greedy
+        equivalence."""
+        assert seg.tree_parents is not None
+        n = len(seg.tree_parents)
+        if n != seg.tokens.shape[0]:
+            raise ValueError(f"{len(seg.tree_parents)} tree parents for {n} tokens")
+        depths = tree_depths(seg.tree_parents)
+        deepest = max(depths, default=-1)
+        q_pos = torch.tensor(
+            [seg.start + d for d in depths] + [seg.start + deepest + 1 + r for r in range(rows - n)]
+        )
+        paths: list[_TreePath] = []
+        done = [False] * n
+        for path in tree_paths(seg.tree_parents):
+            own = [j for j, node in enumerate(path) if not done[node]]
+            for node in path:
+                done[node] = True
+            length = len(path)
+            chain_rows = padded_rows(length, self.row_padding)
+            end = seg.start + chain_rows
+            causal, window = self._masks(torch.arange(seg.start, end), seg.cache.key_span(end))
+            paths.append(
+                _TreePath(torch.tensor(path), torch.tensor(own), chain_rows, causal, window)
+            )
+        empty = torch.empty(0, dtype=torch.bool)
+        return _SegmentContext(
+            empty, empty, self._rope_full[:, q_pos], self._rope_local[:, q_pos], paths
+        )
 
     def _attention(
         self,
@@ -446,7 +507,7 @@ class Transformer:
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
         qkv = linear(x, lw.wqkv, lw.bqkv)  # [sum rows, (nh + 2 nkv) hd]
         outs = []
-        for seg, (o, t, _), sc in zip(segments, spans, ctx, strict=True):
+        for seg, (o, t, n_real), sc in zip(segments, spans, ctx, strict=True):
             q, k, v = qkv[o : o + t].split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q = q.view(t, nh, hd).transpose(0, 1)[None]  # [1, nh, T, hd]
             k = k.view(t, nkv, hd).transpose(0, 1)[None]  # [1, nkv, T, hd]
@@ -457,18 +518,38 @@ class Transformer:
             cs = sc.rope_local if sliding else sc.rope_full
             q = apply_rope(q, cs[0], cs[1])
             k = apply_rope(k, cs[0], cs[1])
-            seg.cache.write(layer, seg.start, k, v)
-            mask = sc.window if sliding else sc.causal
-            keys, values = seg.cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
-            rep = nh // nkv
-            # Query heads grouped under their kv head: no copy of the keys for GQA.
-            qg = q[0].reshape(nkv, rep * t, hd)  # [nkv, rep*T, hd]
-            scores = torch.matmul(qg, keys[0].transpose(1, 2)) * c.scale  # [nkv, rep*T, span]
-            scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
-            probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
-            out = attend_values(probs, values[0])  # [nkv, rep*T, hd]
-            outs.append(out.view(nh, t, hd).transpose(0, 1).reshape(t, nh * hd))
+            if sc.paths is None:
+                seg.cache.write(layer, seg.start, k, v)
+                out = self._attend(q, seg.cache, layer, sc.window if sliding else sc.causal)
+            else:
+                seg.tree_kv.append((k[:, :, :n_real].clone(), v[:, :, :n_real].clone()))
+                out = q.new_zeros(nh, t, hd)
+                for path in sc.paths:
+                    length = path.nodes.shape[0]
+                    seg.cache.write(layer, seg.start, k[:, :, path.nodes], v[:, :, path.nodes])
+                    qp = q[:, :, path.nodes]
+                    if path.rows > length:  # the chain's padding rows
+                        qp = torch.cat([qp, qp.new_zeros(1, nh, path.rows - length, hd)], dim=2)
+                    res = self._attend(qp, seg.cache, layer, path.window if sliding else path.causal)
+                    out[:, path.nodes[path.own]] = res[:, path.own]
+            outs.append(out.transpose(0, 1).reshape(t, nh * hd))
         return linear(torch.cat(outs) if len(outs) > 1 else outs[0], lw.wo)
+
+    def _attend(self, q: Tensor, cache: KVCache, layer: int, mask: Tensor) -> Tensor:
+        """q [1, nh, T, hd] against the cache's keys [0, span) under mask [T, span]
+        -> [nh, T, hd]."""
+        c = self.config
+        nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim
+        t = q.shape[2]
+        keys, values = cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
+        rep = nh // nkv
+        # Query heads grouped under their kv head: no copy of the keys for GQA.
+        qg = q[0].reshape(nkv, rep * t, hd)  # [nkv, rep*T, hd]
+        scores = torch.matmul(qg, keys[0].transpose(1, 2)) * c.scale  # [nkv, rep*T, span]
+        scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
+        probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
+        out = attend_values(probs, values[0])  # [nkv, rep*T, hd]
+        return out.view(nh, t, hd)
 
     def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:
         gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
