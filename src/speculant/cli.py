@@ -18,6 +18,9 @@ examples:
   speculant generate "Write a haiku" --chat --temperature 0.8 --top-p 0.95 --seed 1
   speculant generate "print(1)" --method none --json      # plain decoding baseline
   speculant generate "Fix the bug: ..." --method ngram -k auto   # prompt lookup, adaptive k
+  speculant train eagle --target smollm2-135m-instruct --out heads/smollm2   # EAGLE head
+  speculant generate "def fib(n):" --target smollm2-135m-instruct --method eagle \
+      --eagle-head heads/smollm2 -k 5            # EAGLE-2 tree drafting, depth 5
   speculant models list
   speculant models pull smollm2-135m-instruct
 """
@@ -96,6 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.5,
         help="layer-skip: share of layers the calibration skips",
+    )
+    gen.add_argument(
+        "--eagle-head",
+        default=None,
+        metavar="DIR",
+        help="eagle: a head folder from `speculant train eagle` for this target",
+    )
+    gen.add_argument(
+        "--tree-topk",
+        type=int,
+        default=4,
+        help="eagle: candidates per tree node (1 = a chain, sampled from the head's q)",
+    )
+    gen.add_argument(
+        "--tree-tokens",
+        type=int,
+        default=24,
+        help="eagle: draft tokens per tree (the most confident ones); -k sets its depth",
     )
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
     gen.add_argument(
@@ -194,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     from speculant.plan_cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from speculant.eagle.cli import add_parsers as add_eagle_parsers
+
+    add_eagle_parsers(sub)
     return parser
 
 
@@ -209,6 +233,13 @@ def _proposer_options(args: argparse.Namespace) -> dict[str, object]:
         return {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min}
     if args.method == "layer-skip":
         return {"skip_layers": args.skip_layers, "skip_ratio": args.skip_ratio}
+    if args.method == "eagle":
+        return {
+            "eagle_head": args.eagle_head,
+            "tree_topk": args.tree_topk,
+            "tree_tokens": args.tree_tokens,
+            "trust_unverified": args.trust_unverified,
+        }
     return {}
 
 

@@ -33,7 +33,8 @@ from speculant.adaptive import AdaptiveK, FixedK
 from speculant.cache import KVCache
 from speculant.models.model import Model
 from speculant.proposers import Draft, Proposer
-from speculant.rejection import verify_chain
+from speculant.models.decoder import Segment
+from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
 from speculant.sampling import SamplingParams, make_generator, process_logits
 
 Policy = FixedK | AdaptiveK
@@ -235,7 +236,11 @@ class Scheduler:
         seq = SequenceState(request_id, self.target, prompt, params, lane, self.max_seq_len)
         lane.proposer.begin(prompt, seq.capacity)
         try:
-            self.target.prefill(prompt[:-1], seq.cache)
+            hidden = self.target.prefill(
+                prompt[:-1], seq.cache, return_hidden=_needs_features(lane)
+            )
+            if hidden is not None:
+                lane.proposer.observe(hidden)  # type: ignore[attr-defined]
         except BaseException:
             lane.proposer.end(prompt)
             self._idle.append(lane)
@@ -265,22 +270,39 @@ class Scheduler:
             seq.k = seq.lane.policy.choose(seq.budget - 1)
         _propose_all(seqs)
         t_verify = time.perf_counter()
-        batch = []
+        segments = []
         for seq in seqs:
             start = len(seq.tokens) - 1
-            batch.append(([seq.tokens[-1], *seq.draft.token_ids], seq.cache, start))
-        all_logits = self.target.forward_batch(batch)  # [k_s + 1, vocab] each
+            tokens = torch.tensor([seq.tokens[-1], *seq.draft.token_ids], dtype=torch.long)
+            parents = seq.draft.parents
+            tree = None if parents is None else [-1, *[p + 1 for p in parents]]
+            segments.append(Segment(tokens, seq.cache, start, tree))
+        need_hidden = any(_needs_features(seq.lane) for seq in seqs)
+        all_logits, hidden = self.target.net.forward_batch(segments, return_hidden=need_hidden)
+        assert all_logits is not None  # [k_s + 1, vocab] each
         events = []
-        verdicts = []
-        for seq, logits in zip(seqs, all_logits, strict=True):
+        verdicts: list[Verdict | TreeVerdict] = []
+        for i, (seq, logits, seg) in enumerate(zip(seqs, all_logits, segments, strict=True)):
             p_target = process_logits(logits, seq.params)  # [k_s + 1, vocab]
             q = seq.draft.q_probs
-            verdict = verify_chain(seq.draft.token_ids, q, p_target, seq.generator)
-            seq.cache.truncate(len(seq.tokens) + verdict.num_accepted)  # the one rollback
+            if seq.draft.parents is None:
+                verdict: Verdict | TreeVerdict = verify_chain(
+                    seq.draft.token_ids, q, p_target, seq.generator
+                )
+                rows = list(range(verdict.num_accepted + 1))
+                seq.cache.truncate(len(seq.tokens) + verdict.num_accepted)  # the one rollback
+            else:
+                verdict = verify_tree(
+                    seq.draft.token_ids, seq.draft.parents, p_target, seq.generator, q
+                )
+                rows = [0, *[j + 1 for j in verdict.path]]
+                seq.cache.keep_path(seg.start, seg.tree_kv, rows)  # the accepted path only
+            if hidden is not None and _needs_features(seq.lane):
+                seq.lane.proposer.observe(hidden[i][rows])  # type: ignore[attr-defined]
             verdicts.append(verdict)
         t_done = time.perf_counter()
         for seq, verdict in zip(seqs, verdicts, strict=True):
-            drafted = len(seq.draft.token_ids)
+            drafted = seq.draft.depth  # a tree counts its longest path
             seq.lane.policy.observe(
                 drafted, verdict.num_accepted, t_verify - t_draft, t_done - t_verify
             )
@@ -320,8 +342,18 @@ def _propose_all(seqs: list[SequenceState]) -> None:
                 s.lane.proposer.propose(s.tokens, s.k, s.params, s.generator) for s in members
             ]
         for seq, draft in zip(members, drafts, strict=True):
+            if draft.parents is not None:  # a tree: its proposer kept within depth k
+                if draft.depth > seq.k:
+                    raise ValueError(f"{kind.__name__} drafted a tree deeper than k={seq.k}")
+                seq.draft = draft
+                continue
             q = draft.q_probs[: seq.k] if draft.q_probs is not None else None
             seq.draft = Draft(draft.token_ids[: seq.k], q)
+
+
+def _needs_features(lane: Lane) -> bool:
+    """Whether the lane's proposer drafts from the target's features (EAGLE)."""
+    return bool(getattr(lane.proposer, "needs_features", False))
 
 
 class TextTracker:

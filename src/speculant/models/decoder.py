@@ -389,9 +389,12 @@ class Transformer:
         offset = 0
         for seg in segments:
             n_real = seg.tokens.shape[0]
-            if seg.start + n_real > seg.cache.capacity:
+            reach = n_real  # positions the segment occupies
+            if seg.tree_parents is not None:
+                reach = max(tree_depths(seg.tree_parents), default=-1) + 1
+            if seg.start + reach > seg.cache.capacity:
                 raise ValueError(
-                    f"positions up to {seg.start + n_real} exceed the context capacity "
+                    f"positions up to {seg.start + reach} exceed the context capacity "
                     f"{seg.cache.capacity}"
                 )
             rows = padded_rows(n_real, self.row_padding)
@@ -473,7 +476,7 @@ class Transformer:
         deepest = max(depths, default=-1)
         q_pos = torch.tensor(
             [seg.start + d for d in depths] + [seg.start + deepest + 1 + r for r in range(rows - n)]
-        )
+        ).clamp_max(self._rope_full.shape[1] - 1)  # padding rows: any finite position
         paths: list[_TreePath] = []
         done = [False] * n
         for path in tree_paths(seg.tree_parents):

@@ -107,12 +107,29 @@ class Model:
         return logits[0], seg.tree_kv
 
     def prefill(
-        self, token_ids: Sequence[int], cache: KVCache, start: int = 0, chunk: int = 256
-    ) -> None:
-        """Write the cache for token_ids at start.. without computing logits."""
+        self,
+        token_ids: Sequence[int],
+        cache: KVCache,
+        start: int = 0,
+        chunk: int = 256,
+        *,
+        return_hidden: bool = False,
+    ) -> Tensor | None:
+        """Write the cache for token_ids at start.. without computing logits; with
+        return_hidden, return their final-normed features [n, dim] (EAGLE drafting)."""
+        hidden = []
         for i in range(0, len(token_ids), chunk):
             part = torch.as_tensor(token_ids[i : i + chunk], dtype=torch.long)
-            self.net.forward(part, cache, start + i, logits=False)
+            _, h = self.net.forward(
+                part, cache, start + i, logits=False, return_hidden=return_hidden
+            )
+            if h is not None:
+                hidden.append(h)
+        if not return_hidden:
+            return None
+        if not hidden:
+            return torch.zeros(0, self.config.dim, dtype=self.dtype)
+        return torch.cat(hidden)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, str | None]:

@@ -2,6 +2,7 @@
 
 # Importing the modules registers their proposers under their method names.
 from speculant.proposers import draft_model as _draft_model  # noqa: F401
+from speculant.proposers import eagle as _eagle  # noqa: F401
 from speculant.proposers import layer_skip as _layer_skip  # noqa: F401
 from speculant.proposers import ngram as _ngram  # noqa: F401
 from speculant.proposers import suffix as _suffix  # noqa: F401

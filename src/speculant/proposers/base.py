@@ -27,16 +27,37 @@ class Draft:
     token_ids: k' <= k drafted ids.
     q_probs: [k', vocab_q] the processed distributions the drafts were sampled from, or
         None when drafts are deterministic (a point mass: prompt lookup, suffix match).
+    parents: None for a chain; for a draft tree, each token's parent index among
+        token_ids (-1: it follows the last committed token), parents first. Siblings
+        are verified in the order given (best first).
     """
 
     token_ids: list[int]
     q_probs: Tensor | None = None
+    parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.q_probs is not None and self.q_probs.shape[0] != len(self.token_ids):
             raise ValueError(
                 f"q_probs has {self.q_probs.shape[0]} rows for {len(self.token_ids)} drafts"
             )
+        if self.parents is not None:
+            if len(self.parents) != len(self.token_ids):
+                raise ValueError(
+                    f"{len(self.parents)} parents for {len(self.token_ids)} tree drafts"
+                )
+            if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError(f"tree parents {self.parents} must come before their children")
+
+    @property
+    def depth(self) -> int:
+        """Tokens on the longest path (k for a chain)."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(depths[p] + 1 if p >= 0 else 1)
+        return max(depths, default=0)
 
 
 EMPTY_DRAFT = Draft([])

