@@ -37,7 +37,14 @@ class ScriptedTree:
 
     name = "scripted-tree"
 
-    def __init__(self, prompt: Sequence[int], reference: Sequence[int], right_depth: int, vocab: int, wrong_first: bool):
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        reference: Sequence[int],
+        right_depth: int,
+        vocab: int,
+        wrong_first: bool,
+    ):
         self.full = list(prompt) + list(reference)
         self.right_depth = right_depth
         self.vocab = vocab
@@ -72,7 +79,9 @@ class ScriptedTree:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("right_depth", [0, 1, 3, 6])
-def test_scripted_trees_keep_exactly_the_right_branch(tiny_root, dtype: str, right_depth: int) -> None:  # type: ignore[no-untyped-def]
+def test_scripted_trees_keep_exactly_the_right_branch(
+    tiny_root, dtype: str, right_depth: int
+) -> None:  # type: ignore[no-untyped-def]
     m = tiny_model(tiny_root, "qwen2", seed=2, dtype=dtype)
     ref = plain_greedy(m, PROMPT, 30)
     for wrong_first in (False, True):
@@ -102,7 +111,9 @@ def test_untrained_head_greedy_equals_plain(tiny_root, arch: str, dtype: str) ->
     for topk, k, vocab in [(1, 4, None), (3, 4, 40), (4, 6, None)]:
         head = _head(m, draft_vocab=vocab)
         for head_dtype in ("float32", "int8"):
-            prop = EagleProposer(m, eagle_head=head, tree_topk=topk, tree_tokens=10, eagle_dtype=head_dtype)
+            prop = EagleProposer(
+                m, eagle_head=head, tree_topk=topk, tree_tokens=10, eagle_dtype=head_dtype
+            )
             res = Engine(m, proposer=prop, num_speculative_tokens=k).generate(
                 PROMPT, SamplingParams(max_tokens=40, ignore_eos=True)
             )
@@ -119,14 +130,24 @@ def _tiny_data(model: Model, n_seq: int = 24, length: int = 48, seed: int = 0) -
     return extract_features(model, seqs, model.vocab_size, lambda n: None)
 
 
-def test_training_lowers_the_loss_and_trained_head_stays_lossless(tiny_root, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_training_lowers_the_loss_and_trained_head_stays_lossless(
+    tiny_root, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     m = tiny_model(tiny_root, "llama", seed=5)
     data = _tiny_data(m)
     head = _head(m)
     w = m.net.weights
     opts = TrainOptions(steps=120, batch=4, lr=3e-3, warmup=10, save_every=60)
     ckpt = tmp_path / "checkpoint.pt"
-    log = train_head(head, data, w.tok_embeddings.float(), dense_rows(w.output, data.draft_vocab), opts, ckpt, lambda s, e: None)
+    log = train_head(
+        head,
+        data,
+        w.tok_embeddings.float(),
+        dense_rows(w.output, data.draft_vocab),
+        opts,
+        ckpt,
+        lambda s, e: None,
+    )
     first = sum(e["loss"] for e in log[:10]) / 10
     last = sum(e["loss"] for e in log[-10:]) / 10
     assert last < 0.7 * first, (first, last)
@@ -135,7 +156,9 @@ def test_training_lowers_the_loss_and_trained_head_stays_lossless(tiny_root, tmp
     prompt = [7, 1, 30, 2]
     ref = plain_greedy(m, prompt, 40)
     for topk in (1, 4):
-        prop = EagleProposer(m, eagle_head=head, tree_topk=topk, tree_tokens=12, eagle_dtype="float32")
+        prop = EagleProposer(
+            m, eagle_head=head, tree_topk=topk, tree_tokens=12, eagle_dtype="float32"
+        )
         res = Engine(m, proposer=prop, num_speculative_tokens=4).generate(
             prompt, SamplingParams(max_tokens=40, ignore_eos=True)
         )
@@ -143,9 +166,20 @@ def test_training_lowers_the_loss_and_trained_head_stays_lossless(tiny_root, tmp
         assert res.stats.num_accepted > 0
     # resuming from the final checkpoint does no more steps and keeps the log
     head2 = _head(m, seed=9)
-    log2 = train_head(head2, data, w.tok_embeddings.float(), dense_rows(w.output, data.draft_vocab), opts, ckpt, lambda s, e: None)
+    log2 = train_head(
+        head2,
+        data,
+        w.tok_embeddings.float(),
+        dense_rows(w.output, data.draft_vocab),
+        opts,
+        ckpt,
+        lambda s, e: None,
+    )
     assert len(log2) == len(log)
-    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), head2.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(head.state_dict().values(), head2.state_dict().values(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("topk", [1, 3])
@@ -154,7 +188,9 @@ def test_eagle_samples_follow_target(tiny_root, topk: int) -> None:  # type: ign
     over siblings): emitted pairs follow the target's exact two-token distribution."""
     target = tiny_model(tiny_root, "llama", seed=11, **SMALL)
     head = _head(target, seed=3, draft_vocab=6 if topk == 1 else None)
-    prop = EagleProposer(target, eagle_head=head, tree_topk=topk, tree_tokens=8, eagle_dtype="float32")
+    prop = EagleProposer(
+        target, eagle_head=head, tree_topk=topk, tree_tokens=8, eagle_dtype="float32"
+    )
     engine = Engine(target, proposer=prop, num_speculative_tokens=2)
     params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True)
     prompt = [1, 5, 2]
@@ -176,7 +212,12 @@ def test_batched_eagle_sequences_match_solo(tiny_root) -> None:  # type: ignore[
     m = tiny_model(tiny_root, "llama", seed=5, dtype="bfloat16")
     head = _head(m, seed=2)
     prompts = [[7, 1, 30, 2], [4, 4, 9], [11, 60, 3, 5, 8]]
-    engine = Engine(m, method="eagle", num_speculative_tokens=4, proposer_options={"eagle_head": head, "tree_topk": 3, "eagle_dtype": "float32"})
+    engine = Engine(
+        m,
+        method="eagle",
+        num_speculative_tokens=4,
+        proposer_options={"eagle_head": head, "tree_topk": 3, "eagle_dtype": "float32"},
+    )
     solo = [plain_greedy(m, p, 20) for p in prompts]
     sched = engine.scheduler()
     params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -191,9 +232,15 @@ def test_head_files_are_checked(tiny_root, tmp_path: Path) -> None:  # type: ign
     head = _head(m)
     out = tmp_path / "head"
     save_head(head, out)
-    assert set(json.loads((out / "manifest.json").read_text())["files"]) == {"head.safetensors", "config.json"}
+    assert set(json.loads((out / "manifest.json").read_text())["files"]) == {
+        "head.safetensors",
+        "config.json",
+    }
     loaded = load_head(out)
-    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(head.state_dict().values(), loaded.state_dict().values(), strict=True)
+    )
     # a changed byte is refused, naming the file
     blob = bytearray((out / "head.safetensors").read_bytes())
     blob[-1] ^= 1
@@ -224,7 +271,9 @@ def test_export_round_trip(tiny_root, tmp_path: Path) -> None:  # type: ignore[n
     paths = export_head(src, tmp_path / "export")
     vllm = load_file(str(paths["vllm"] / "model.safetensors"))
     sglang = load_file(str(paths["sglang"] / "model.safetensors"))
-    assert "fc.bias" not in vllm and torch.equal(sglang["fc.bias"], torch.zeros(m.config.dim, dtype=torch.bfloat16))
+    assert "fc.bias" not in vllm and torch.equal(
+        sglang["fc.bias"], torch.zeros(m.config.dim, dtype=torch.bfloat16)
+    )
     assert not any(k.startswith("model.") or "input_layernorm" in k or "embed" in k for k in vllm)
     assert "layers.0.self_attn.q_proj.bias" in vllm  # qwen2 heads keep q/k/v biases
     cfg_v = json.loads((paths["vllm"] / "config.json").read_text())
@@ -248,20 +297,75 @@ def test_train_command_end_to_end(tmp_path: Path) -> None:
 
     m = tiny_chat_model(tmp_path / "chat", seed=3, layers=2)
     corpus = tmp_path / "corpus.jsonl"
-    rows = [{"turns": [f"say {i} apples"], "answers": [f"{i} apples and {i + 1} pears"]} for i in range(12)]
+    rows = [
+        {"turns": [f"say {i} apples"], "answers": [f"{i} apples and {i + 1} pears"]}
+        for i in range(12)
+    ]
     rows.append({"text": "plain text rows work too, " * 4})
     corpus.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     opts = TrainOptions(steps=6, batch=2, warmup=2, save_every=3, draft_vocab=64)
     out = tmp_path / "head"
     summary = run(m, "tiny-chat", [str(corpus)], out, opts, progress=False)
     assert summary["sequences"] == 13 and summary["draft_vocab"] == 64
-    assert {p.name for p in out.iterdir()} >= {"head.safetensors", "config.json", "manifest.json", "train.json", "data.pt", "checkpoint.pt"}
+    assert {p.name for p in out.iterdir()} >= {
+        "head.safetensors",
+        "config.json",
+        "manifest.json",
+        "train.json",
+        "data.pt",
+        "checkpoint.pt",
+    }
     head = load_head(out)
     assert head.cfg.draft_vocab_size == 64
     # generate through the CLI with the trained head
-    rc = main(["generate", "say 3", "--target", str(tmp_path / "chat"), "--method", "eagle",
-               "--eagle-head", str(out), "--max-tokens", "8", "--dtype", "float32", "--json"])
+    rc = main(
+        [
+            "generate",
+            "say 3",
+            "--target",
+            str(tmp_path / "chat"),
+            "--method",
+            "eagle",
+            "--eagle-head",
+            str(out),
+            "--max-tokens",
+            "8",
+            "--dtype",
+            "float32",
+            "--json",
+        ]
+    )
     assert rc == 0
     # bad input is named
-    assert main(["train", "eagle", "--target", str(tmp_path / "chat"), "--out", str(tmp_path / "x"), "--data", "nowhere.jsonl"]) == 2
-    assert main(["train", "eagle", "--target", str(tmp_path / "chat"), "--out", str(tmp_path / "x"), "--data", str(corpus), "--lr", "-1"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "eagle",
+                "--target",
+                str(tmp_path / "chat"),
+                "--out",
+                str(tmp_path / "x"),
+                "--data",
+                "nowhere.jsonl",
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "train",
+                "eagle",
+                "--target",
+                str(tmp_path / "chat"),
+                "--out",
+                str(tmp_path / "x"),
+                "--data",
+                str(corpus),
+                "--lr",
+                "-1",
+            ]
+        )
+        == 2
+    )

@@ -103,7 +103,9 @@ def test_tree_shape_is_checked() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-def test_tree_pass_matches_each_path_bitwise_and_keeps_the_path(tiny_root, arch: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
+def test_tree_pass_matches_each_path_bitwise_and_keeps_the_path(
+    tiny_root, arch: str, dtype: str
+) -> None:  # type: ignore[no-untyped-def]
     """One tree pass gives every node bitwise the logits its path gets as a plain
     chain (each path is attended as that chain), and keeping an accepted path leaves
     the cache bitwise as a chain run over it would."""

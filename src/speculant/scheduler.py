@@ -31,9 +31,9 @@ import torch
 
 from speculant.adaptive import AdaptiveK, FixedK
 from speculant.cache import KVCache
+from speculant.models.decoder import Segment
 from speculant.models.model import Model
 from speculant.proposers import Draft, Proposer
-from speculant.models.decoder import Segment
 from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
 from speculant.sampling import SamplingParams, make_generator, process_logits
 

@@ -108,6 +108,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="prompts per workload for the peers (default: as --limit); speedups stay "
         "per-prompt against our baseline on the same prompts",
     )
+    p.add_argument(
+        "--eagle-head",
+        default=None,
+        metavar="DIR",
+        help="head folder for method eagle (eagle[:K[:TOPK[:TOKENS]]], e.g. eagle:5:1 a "
+        "chain, eagle:5:4:16 a tree)",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per generation")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check)")
     p.add_argument("--top-k", type=int, default=0)
@@ -192,6 +199,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peers=args.peers,
         limit=args.limit,
         peer_limit=args.peer_limit,
+        eagle_head=args.eagle_head,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,

@@ -61,16 +61,21 @@ class MethodSpec:
     method: str
     k: int | str | None = None
     skip_ratio: float | None = None  # layer-skip only
+    tree: tuple[int, int] | None = None  # eagle only: (top-k per node, tree tokens)
 
     @property
     def label(self) -> str:
         if self.method == BASELINE:
             return BASELINE
         out = f"{self.method}:{self.k}"
+        if self.tree is not None:
+            return f"{out}:{self.tree[0]}:{self.tree[1]}"
         return out if self.skip_ratio is None else f"{out}:{self.skip_ratio:g}"
 
     @property
     def options(self) -> dict[str, Any]:
+        if self.tree is not None:
+            return {"tree_topk": self.tree[0], "tree_tokens": self.tree[1]}
         return {} if self.skip_ratio is None else {"skip_ratio": self.skip_ratio}
 
 
@@ -88,13 +93,15 @@ def parse_k(text: str | int) -> int | str:
 
 
 def parse_methods(specs: Sequence[str] | None, ks: Sequence[int | str]) -> list[MethodSpec]:
-    """METHOD[:K[:SKIP_RATIO]] specs; a METHOD without K runs once per k in `ks` (the k
-    sweep). The plain baseline `none` always runs, first."""
+    """METHOD[:K[:SKIP_RATIO]] specs (eagle: eagle[:K[:TOPK[:TOKENS]]], the tree shape);
+    a METHOD without K runs once per k in `ks` (the k sweep). The plain baseline `none`
+    always runs, first. The default (every proposer) leaves out eagle, which needs a
+    trained head."""
     from speculant.proposers import available_methods
 
     known = available_methods()
     out = [MethodSpec(BASELINE)]
-    for raw in specs if specs is not None else known:
+    for raw in specs if specs is not None else [m for m in known if m != "eagle"]:
         parts = raw.strip().split(":")
         method = parts[0]
         if not method:
@@ -105,12 +112,22 @@ def parse_methods(specs: Sequence[str] | None, ks: Sequence[int | str]) -> list[
             continue
         sweep = [parse_k(parts[1])] if len(parts) > 1 and parts[1] else [parse_k(k) for k in ks]
         ratio = None
-        if len(parts) > 2:
+        tree: tuple[int, int] | None = None
+        if method == "eagle":
+            try:
+                shape = [int(x) for x in parts[2:4]]
+            except ValueError:
+                raise ValueError(f"{raw!r}: use eagle:K:TOPK:TOKENS with integers") from None
+            if len(parts) > 4:
+                raise ValueError(f"{raw!r}: use eagle:K:TOPK:TOKENS")
+            full = shape + [4, 24][len(shape) :]
+            tree = (full[0], full[1])
+        elif len(parts) > 2:
             if method != "layer-skip":
                 raise ValueError(f"{raw!r}: only layer-skip takes a third field (skip ratio)")
             ratio = float(parts[2])
         for k in sweep:
-            spec = MethodSpec(method, k, ratio)
+            spec = MethodSpec(method, k, ratio, tree)
             if spec not in out:
                 out.append(spec)
     return out
@@ -124,6 +141,7 @@ class BenchConfig:
     peers: list[str] = field(default_factory=list)  # peer names or groups (all, hf, llama)
     limit: int | None = None  # prompts per workload
     peer_limit: int | None = None  # prompts per workload for the peers (None: as `limit`)
+    eagle_head: str | None = None  # head folder for method eagle
     max_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
@@ -286,6 +304,13 @@ def run_bench(
     peer_specs = expand_peers(cfg.peers, cfg.ks)
     if any(s.method == "draft" for s in specs) and draft is None:
         raise ValueError("method 'draft' needs a draft model: pass one or drop the method")
+    eagle_head = None
+    if any(s.method == "eagle" for s in specs):
+        if cfg.eagle_head is None:
+            raise ValueError("method 'eagle' needs a trained head: pass --eagle-head DIR")
+        from speculant.eagle.head import load_head
+
+        eagle_head = load_head(cfg.eagle_head)
     started = time.time()
     energy = EnergyMeter(cfg.watts_per_core)
     memory = MemoryProbe()
@@ -316,7 +341,10 @@ def run_bench(
             draft=draft if spec.method == "draft" else None,
             method=spec.method,
             num_speculative_tokens=spec.k if spec.k is not None else 5,
-            proposer_options=spec.options,
+            proposer_options={
+                **spec.options,
+                **({"eagle_head": eagle_head} if spec.method == "eagle" else {}),
+            },
         )
         setup = time.perf_counter() - t0
         take = record_steps(engine)
@@ -520,6 +548,21 @@ def _our_method(
         weights += draft.net.weights.nbytes()
         text = f"speculant, draft model {draft.name}, k={spec.k}"
         settings["draft"] = draft.name
+    elif spec.method == "eagle":
+        runtime = getattr(engine.proposer, "runtime", None)
+        text = f"speculant, EAGLE head, depth {spec.k}"
+        if spec.tree is not None and spec.tree[0] > 1:
+            text += f", dynamic tree (top-{spec.tree[0]}, {spec.tree[1]} tokens)"
+        else:
+            text += ", chain"
+        if runtime is not None:
+            head_bytes = sum(
+                t.numel() * t.element_size()
+                for t in vars(runtime).values()
+                if isinstance(t, torch.Tensor) and t is not runtime.embeddings
+            )
+            weights += head_bytes
+            settings["draft_vocab"] = int(runtime.draft_vocab.numel())
     else:
         text = f"speculant, {spec.method} proposer, k={spec.k}"
         skip = getattr(engine.proposer, "skip_layers", None)

@@ -51,7 +51,7 @@ def _nonneg(text: str) -> int:
     return value
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parsers(sub: argparse._SubParsersAction) -> None:
     from speculant.eagle.train import BUILTIN_SOURCES, TrainOptions
 
     d = TrainOptions()
@@ -66,7 +66,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         epilog=EPILOG_TRAIN,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    eagle.add_argument("--target", required=True, help="target model (built-in name, .gguf, HF folder)")
+    eagle.add_argument(
+        "--target", required=True, help="target model (built-in name, .gguf, HF folder)"
+    )
     eagle.add_argument(
         "--data",
         default="humaneval,mtbench",
@@ -74,27 +76,59 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "the benchmark's prompts are held out), .txt files, or .jsonl files with 'text' or "
         "'turns' (+ 'answers') per row",
     )
-    eagle.add_argument("--out", required=True, type=Path, help="output folder (resumes if it exists)")
-    eagle.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int8", "int4"],
-                       help="target dtype while collecting features")
+    eagle.add_argument(
+        "--out", required=True, type=Path, help="output folder (resumes if it exists)"
+    )
+    eagle.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "int8", "int4"],
+        help="target dtype while collecting features",
+    )
     eagle.add_argument("--max-steps", type=_positive, default=d.steps, help="training steps")
     eagle.add_argument("--batch", type=_positive, default=d.batch, help="sequences per step")
     eagle.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    eagle.add_argument("--seq-len", type=_positive, default=d.seq_len, help="tokens per sequence (longer ones are cut)")
-    eagle.add_argument("--max-data-tokens", type=_positive, default=d.max_data_tokens,
-                       help="stop collecting features after this many tokens")
-    eagle.add_argument("--draft-vocab", type=_positive, default=d.draft_vocab,
-                       help="rows of the drafting LM head: the most frequent target tokens "
-                       "(the full vocabulary still verifies, so output is unchanged)")
-    eagle.add_argument("--self-distill", type=_nonneg, default=d.self_distill,
-                       help="add the target's own greedy answers to this many corpus prompts")
-    eagle.add_argument("--distill-tokens", type=_positive, default=d.distill_tokens,
-                       help="longest self-distilled answer")
-    eagle.add_argument("--save-every", type=_positive, default=d.save_every, help="checkpoint interval (steps)")
+    eagle.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=d.seq_len,
+        help="tokens per sequence (longer ones are cut)",
+    )
+    eagle.add_argument(
+        "--max-data-tokens",
+        type=_positive,
+        default=d.max_data_tokens,
+        help="stop collecting features after this many tokens",
+    )
+    eagle.add_argument(
+        "--draft-vocab",
+        type=_positive,
+        default=d.draft_vocab,
+        help="rows of the drafting LM head: the most frequent target tokens "
+        "(the full vocabulary still verifies, so output is unchanged)",
+    )
+    eagle.add_argument(
+        "--self-distill",
+        type=_nonneg,
+        default=d.self_distill,
+        help="add the target's own greedy answers to this many corpus prompts",
+    )
+    eagle.add_argument(
+        "--distill-tokens",
+        type=_positive,
+        default=d.distill_tokens,
+        help="longest self-distilled answer",
+    )
+    eagle.add_argument(
+        "--save-every", type=_positive, default=d.save_every, help="checkpoint interval (steps)"
+    )
     eagle.add_argument("--seed", type=_nonneg, default=d.seed)
     eagle.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
-    eagle.add_argument("--trust-unverified", action="store_true",
-                       help="load a target that fails its SHA-256 check (logged)")
+    eagle.add_argument(
+        "--trust-unverified",
+        action="store_true",
+        help="load a target that fails its SHA-256 check (logged)",
+    )
     eagle.set_defaults(func=cmd_train_eagle)
     train.set_defaults(func=lambda args: train.print_help() or 0)
 
@@ -107,7 +141,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     export.add_argument("head", type=Path, help="a head folder from `speculant train eagle`")
-    export.add_argument("--out", required=True, type=Path, help="output folder (vllm/ and sglang/ inside)")
+    export.add_argument(
+        "--out", required=True, type=Path, help="output folder (vllm/ and sglang/ inside)"
+    )
     export.add_argument("--trust-unverified", action="store_true")
     export.set_defaults(func=cmd_export)
     ex.set_defaults(func=lambda args: ex.print_help() or 0)
@@ -142,7 +178,10 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     target = load_model(args.target, dtype=args.dtype, trust_unverified=args.trust_unverified)
     summary = run(target, str(args.target), sources, args.out, opts, progress=sys.stderr.isatty())
     print(json.dumps(summary, indent=2))
-    print(f"head written to {args.out} (head.safetensors, config.json, manifest.json)", file=sys.stderr)
+    print(
+        f"head written to {args.out} (head.safetensors, config.json, manifest.json)",
+        file=sys.stderr,
+    )
     return 0
 
 

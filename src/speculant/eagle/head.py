@@ -65,9 +65,7 @@ class HeadConfig:
         cls, name: str, fingerprint: str, config: ModelConfig, draft_vocab_size: int
     ) -> HeadConfig:
         if config.arch not in ("llama", "qwen2"):
-            raise ValueError(
-                f"EAGLE heads support llama and qwen2 targets, not {config.arch!r}"
-            )
+            raise ValueError(f"EAGLE heads support llama and qwen2 targets, not {config.arch!r}")
         return cls(
             target=name,
             target_fingerprint=fingerprint,
@@ -121,8 +119,8 @@ class EagleHead(nn.Module):
                     nn.init.zeros_(module.bias)
         # draft-vocabulary row -> target token id (the identity when not reduced)
         self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size), persistent=True)
-        rope = rope_tables(hd, cfg.rope_theta, 4096)
-        self.register_buffer("rope", rope, persistent=False)
+        self.rope: Tensor
+        self.register_buffer("rope", rope_tables(hd, cfg.rope_theta, 4096), persistent=False)
 
     def forward(self, embeds: Tensor, features: Tensor) -> Tensor:
         """Teacher-forced training pass. embeds, features: [B, T, dim] (embeds of

@@ -173,8 +173,17 @@ def self_distill(
     from speculant.sampling import SamplingParams
 
     engine = Engine(target, method="ngram", num_speculative_tokens="auto")
+    rng = random.Random(0)
+    unanswered = [c for c in convs if c.turns and not c.answers]
+    answered = [c for c in convs if c.turns and c.answers]
+    rng.shuffle(unanswered)
+    rng.shuffle(answered)
+    # alternate: questions that have no answer yet, and ones whose reference answer is
+    # not in the target's own words
+    picked = [c for pair in zip(unanswered, answered, strict=False) for c in pair]
+    picked += unanswered[len(answered) :] + answered[len(unanswered) :]
     out = []
-    for conv in [c for c in convs if c.turns][:n]:
+    for conv in picked[:n]:
         prompt = render(Conversation(conv.turns[:1], []), target)
         result = engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
         out.append(Conversation(conv.turns[:1], [result.text]))
@@ -313,14 +322,25 @@ def train_head(
         with torch.no_grad():
             valid = rows != -100
             acc = (logits.argmax(-1)[valid] == rows[valid]).float().mean().item()
-        entry = {"step": step + 1, "loss": loss.item(), "reg": reg.item(), "token": tok.item(), "top1": acc}
+        entry = {
+            "step": step + 1,
+            "loss": loss.item(),
+            "reg": reg.item(),
+            "token": tok.item(),
+            "top1": acc,
+        }
         log.append(entry)
         on_step(step + 1, entry)
         last = step + 1 == opts.steps
         if checkpoint is not None and ((step + 1) % opts.save_every == 0 or last):
             tmp = checkpoint.with_suffix(".tmp")
             torch.save(
-                {"head": head.state_dict(), "optim": optim.state_dict(), "step": step + 1, "log": log},
+                {
+                    "head": head.state_dict(),
+                    "optim": optim.state_dict(),
+                    "step": step + 1,
+                    "log": log,
+                },
                 tmp,
             )
             tmp.replace(checkpoint)
@@ -377,10 +397,23 @@ def run(
                 convs += load_source(source)
             if opts.self_distill:
                 task = bar.add_task("self-distilling", total=opts.self_distill, info="")
-                convs += self_distill(
-                    target, convs, opts.self_distill, opts.distill_tokens,
+                distilled = self_distill(
+                    target,
+                    convs,
+                    opts.self_distill,
+                    opts.distill_tokens,
                     lambda: bar.advance(task),
                 )
+                convs += distilled
+                # kept for reuse: --data DIR/distilled.jsonl
+                tmp = out / "distilled.jsonl.tmp"
+                tmp.write_text(
+                    "".join(
+                        json.dumps({"turns": c.turns, "answers": c.answers}) + "\n"
+                        for c in distilled
+                    )
+                )
+                tmp.replace(out / "distilled.jsonl")
             seqs = [ids[: opts.seq_len] for ids in (render(c, target) for c in convs)]
             seqs = [s for s in seqs if len(s) >= 8]
             random.Random(opts.seed).shuffle(seqs)
@@ -393,9 +426,7 @@ def run(
             if not kept:
                 raise TrainError(f"the corpus {list(sources)} gave no sequence of 8+ tokens")
             task = bar.add_task("target features", total=total, info="")
-            data = extract_features(
-                target, kept, opts.draft_vocab, lambda n: bar.advance(task, n)
-            )
+            data = extract_features(target, kept, opts.draft_vocab, lambda n: bar.advance(task, n))
             data.save(data_path)
         t_data = time.perf_counter() - t0
         name = target_name
@@ -409,11 +440,12 @@ def run(
         task = bar.add_task("training", total=opts.steps, info="")
 
         def on_step(step: int, entry: dict[str, float]) -> None:
-            bar.update(
-                task,
-                completed=step,
-                info=f"loss {entry['loss']:.3f} top-1 {entry['top1']:.0%}",
-            )
+            info = f"loss {entry['loss']:.3f} top-1 {entry['top1']:.0%}"
+            bar.update(task, completed=step, info=info)
+            if not progress and (step % 25 == 0 or step == opts.steps):
+                # no live bar (a log file): a line now and then
+                elapsed = time.perf_counter() - t0
+                console.print(f"step {step}/{opts.steps} {info} ({elapsed:.0f} s)")
 
         log = train_head(head, data, embed, lm_rows, opts, out / "checkpoint.pt", on_step)
     save_head(head, out)

@@ -533,7 +533,9 @@ class Transformer:
                     qp = q[:, :, path.nodes]
                     if path.rows > length:  # the chain's padding rows
                         qp = torch.cat([qp, qp.new_zeros(1, nh, path.rows - length, hd)], dim=2)
-                    res = self._attend(qp, seg.cache, layer, path.window if sliding else path.causal)
+                    res = self._attend(
+                        qp, seg.cache, layer, path.window if sliding else path.causal
+                    )
                     out[:, path.nodes[path.own]] = res[:, path.own]
             outs.append(out.transpose(0, 1).reshape(t, nh * hd))
         return linear(torch.cat(outs) if len(outs) > 1 else outs[0], lw.wo)

@@ -258,7 +258,9 @@ class EagleProposer:
         next_row = self._fed
         for d in range(1, depth):
             # feed the frontier: each node's (parent's predicted feature, its token)
-            feats = torch.stack([feature if nodes[i].parent < 0 else _feat(nodes, i) for i in frontier])
+            feats = torch.stack(
+                [feature if nodes[i].parent < 0 else _feat(nodes, i) for i in frontier]
+            )
             tokens = torch.tensor([nodes[i].token for i in frontier])
             positions = torch.full((len(frontier),), n_ctx - 1 + d - 1)
             rows = list(range(next_row, next_row + len(frontier)))

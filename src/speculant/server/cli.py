@@ -55,6 +55,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=5,
         help="tokens drafted per step, 0..64 or auto (default 5)",
     )
+    p.add_argument(
+        "--eagle-head",
+        default=None,
+        metavar="DIR",
+        help="EAGLE head folder (speculant train eagle) for --speculative-method eagle",
+    )
+    p.add_argument(
+        "--tree-topk", type=int, default=4, help="eagle: candidates per tree node (1 = chain)"
+    )
+    p.add_argument("--tree-tokens", type=int, default=24, help="eagle: draft tokens per tree")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument(
@@ -122,6 +132,16 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         method=method,
         num_speculative_tokens=args.num_speculative_tokens,
         max_seq_len=args.max_model_len,
+        proposer_options=(
+            {
+                "eagle_head": args.eagle_head,
+                "tree_topk": args.tree_topk,
+                "tree_tokens": args.tree_tokens,
+                "trust_unverified": trust,
+            }
+            if method == "eagle"
+            else None
+        ),
     )
     name = args.served_model_name or str(args.model)
     async_engine = AsyncEngine(
