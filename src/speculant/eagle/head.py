@@ -273,7 +273,7 @@ def save_head(head: EagleHead, out: Path) -> Path:
     each file atomically."""
     from safetensors.torch import save_file
 
-    from speculant.models.registry import write_manifest
+    from speculant.models.registry import MANIFEST, file_sha256
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
@@ -283,14 +283,18 @@ def save_head(head: EagleHead, out: Path) -> Path:
     tmp_cfg = out / (CONFIG_FILE + ".tmp")
     head.cfg.save(tmp_cfg)
     tmp_cfg.replace(out / CONFIG_FILE)
-    return write_manifest(out, progress=False)
+    digests = {name: file_sha256(out / name, progress=False) for name in (HEAD_FILE, CONFIG_FILE)}
+    tmp_manifest = out / (MANIFEST + ".tmp")
+    tmp_manifest.write_text(json.dumps({"files": digests}, indent=1) + "\n")
+    tmp_manifest.replace(out / MANIFEST)
+    return out / MANIFEST
 
 
 def load_head(folder: str | Path, *, trust_unverified: bool = False) -> EagleHead:
     """Load a head written by `save_head`, checked against its manifest's SHA-256."""
     from safetensors.torch import load_file
 
-    from speculant.models.registry import check_folder_integrity
+    from speculant.models.registry import IntegrityError, file_sha256, read_manifest
 
     path = Path(folder).expanduser()
     if not (path / CONFIG_FILE).is_file() or not (path / HEAD_FILE).is_file():
@@ -298,8 +302,23 @@ def load_head(folder: str | Path, *, trust_unverified: bool = False) -> EagleHea
             f"EAGLE head folder {str(folder)!r} must hold {CONFIG_FILE} and {HEAD_FILE} "
             "(write one with: speculant train eagle --target NAME --out DIR)"
         )
-    verified = check_folder_integrity(path, trust_unverified=trust_unverified, progress=False)
-    if not verified and not trust_unverified:
+    # The head's own files only: training leaves data.pt and checkpoint.pt beside them.
+    listed = read_manifest(path)
+    problems = []
+    for name in (HEAD_FILE, CONFIG_FILE):
+        if name not in listed:
+            problems.append(f"{name} is not listed in manifest.json")
+        elif (actual := file_sha256(path / name, progress=False)) != listed[name]:
+            problems.append(
+                f"{name}: the manifest expects sha256 {listed[name]}, the file has {actual}"
+            )
+    if listed and problems and not trust_unverified:
+        raise IntegrityError(
+            f"EAGLE head {path} fails its integrity check: "
+            + "; ".join(problems)
+            + ". Train or copy it again, or pass --trust-unverified to load it anyway"
+        )
+    if not listed and not trust_unverified:
         raise HeadLoadError(
             f"EAGLE head {path} has no manifest.json to check its SHA-256 against: "
             "write one with `speculant verify DIR --write-manifest` if you trust it, or pass "

@@ -2,7 +2,8 @@
 
 1. Corpus: built-in sources (`humaneval`: HumanEval prompts with their reference
    solutions as a chat exchange, minus the problems the benchmark uses; `mtbench`:
-   MT-bench questions, minus the benchmark's) and/or files (.txt, or .jsonl rows with
+   MT-bench questions, minus the benchmark's; `pycode`: Python's standard library
+   sources, read from this machine) and/or files (.txt, or .jsonl rows with
    "text", or "turns" and optional "answers"). `self_distill` N adds the target's own
    greedy answers to N of the corpus prompts, as EAGLE does, so the head learns the
    text the target actually writes.
@@ -38,7 +39,7 @@ from torch import Tensor
 from speculant.eagle.head import EagleHead, HeadConfig, save_head
 from speculant.models.model import Model
 
-BUILTIN_SOURCES = ("humaneval", "mtbench")
+BUILTIN_SOURCES = ("humaneval", "mtbench", "pycode")
 CODE_INSTRUCTION = (
     "Complete the following Python function. Answer with the complete function in one "
     "```python block.\n\n```python\n"
@@ -124,6 +125,8 @@ def load_source(name: str) -> list[Conversation]:
                 for r in rows
                 if f"spec-bench-{r['question_id']}" not in held_out
             ]
+    if name == "pycode":
+        return _python_sources()
     path = Path(name).expanduser()
     if not path.is_file():
         raise TrainError(
@@ -146,6 +149,26 @@ def load_source(name: str) -> list[Conversation]:
             out.append(Conversation(list(row["turns"]), list(row.get("answers", []))))
         else:
             raise TrainError(f"{path}:{n}: a row needs 'text' or 'turns'")
+    return out
+
+
+def _python_sources(limit_chars: int = 4_000_000) -> list[Conversation]:
+    """Python's own standard library sources (on every machine that runs this), as raw
+    code text: plenty of real Python for code heads, no download."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    out, size = [], 0
+    for p in files:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        out.append(Conversation([], [], text))
+        size += len(text)
+        if size >= limit_chars:
+            break
     return out
 
 
@@ -392,19 +415,17 @@ def run(
             data = FeatureData.load(data_path)
             console.print(f"reusing {data_path} ({data.num_tokens:,} tokens)")
         else:
-            convs: list[Conversation] = []
-            for source in sources:
-                convs += load_source(source)
+            groups = [load_source(source) for source in sources]
             if opts.self_distill:
                 task = bar.add_task("self-distilling", total=opts.self_distill, info="")
                 distilled = self_distill(
                     target,
-                    convs,
+                    [c for g in groups for c in g],
                     opts.self_distill,
                     opts.distill_tokens,
                     lambda: bar.advance(task),
                 )
-                convs += distilled
+                groups.insert(0, distilled)  # the target's own words come first
                 # kept for reuse: --data DIR/distilled.jsonl
                 tmp = out / "distilled.jsonl.tmp"
                 tmp.write_text(
@@ -414,15 +435,21 @@ def run(
                     )
                 )
                 tmp.replace(out / "distilled.jsonl")
-            seqs = [ids[: opts.seq_len] for ids in (render(c, target) for c in convs)]
-            seqs = [s for s in seqs if len(s) >= 8]
-            random.Random(opts.seed).shuffle(seqs)
+            # Sources fill the token budget in the order given (shuffled within each).
+            rng = random.Random(opts.seed)
             kept, total = [], 0
-            for s in seqs:
-                if total >= opts.max_data_tokens:
-                    break
-                kept.append(s)
-                total += len(s)
+            for group in groups:
+                group = list(group)
+                rng.shuffle(group)
+                for conv in group:
+                    if total >= opts.max_data_tokens:
+                        break
+                    ids = render(conv, target)
+                    for lo in range(0, len(ids), opts.seq_len):  # long texts: several
+                        chunk = ids[lo : lo + opts.seq_len]
+                        if len(chunk) >= 8 and total < opts.max_data_tokens:
+                            kept.append(chunk)
+                            total += len(chunk)
             if not kept:
                 raise TrainError(f"the corpus {list(sources)} gave no sequence of 8+ tokens")
             task = bar.add_task("target features", total=total, info="")
