@@ -241,12 +241,17 @@ def test_head_files_are_checked(tiny_root, tmp_path: Path) -> None:  # type: ign
         torch.equal(a, b)
         for a, b in zip(head.state_dict().values(), loaded.state_dict().values(), strict=True)
     )
+    from speculant.cli import main
+
+    (out / "data.pt").write_bytes(b"training leftovers are not the head")
+    assert main(["verify", str(out)]) == 0
     # a changed byte is refused, naming the file
     blob = bytearray((out / "head.safetensors").read_bytes())
     blob[-1] ^= 1
     (out / "head.safetensors").write_bytes(bytes(blob))
     with pytest.raises(Exception, match="head.safetensors"):
         load_head(out)
+    assert main(["verify", str(out)]) == 1
     with pytest.raises(HeadLoadError, match="must hold config.json"):
         load_head(tmp_path / "nowhere")
     # a head for another target is refused

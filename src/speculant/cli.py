@@ -387,6 +387,18 @@ def cmd_models_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _is_eagle_head(folder: object) -> bool:
+    from pathlib import Path
+
+    from speculant.eagle.head import HEAD_FORMAT
+
+    try:
+        config = json.loads((Path(str(folder)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("format") == HEAD_FORMAT
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -403,6 +415,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not path.exists():
             raise CliError(f"{target!r} is neither a built-in model nor an existing path")
         folder = path if path.is_dir() else path.parent
+        if path.is_dir() and _is_eagle_head(path):
+            from speculant.eagle.head import HeadLoadError, load_head, save_head
+
+            try:
+                if args.write_manifest:
+                    save_head(load_head(path, trust_unverified=True), path)
+                    print(f"{target}: wrote {path / 'manifest.json'}")
+                    continue
+                load_head(path)
+            except (registry.IntegrityError, HeadLoadError) as exc:
+                print(f"{target}: FAILED: {exc}")
+                bad += 1
+                continue
+            print(f"{target}: ok (EAGLE head)")
+            continue
         if args.write_manifest:
             print(f"{target}: wrote {registry.write_manifest(folder)}")
             continue
