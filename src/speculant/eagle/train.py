@@ -372,6 +372,18 @@ def train_head(
 
 
 # ------------------------------------------------------------------------ driver
+def _advance(bar: Any, task: Any, n: int, live: bool, console: Any, t0: float) -> None:
+    """Move a progress bar; without a live bar (a log file), print a line per tenth."""
+    bar.advance(task, n)
+    if live:
+        return
+    t = next(t for t in bar.tasks if t.id == task)
+    step = max(1, int((t.total or 1) / 10))
+    if int(t.completed) // step != int(t.completed - n) // step or t.completed >= (t.total or 0):
+        elapsed = time.perf_counter() - t0
+        console.print(f"{t.description}: {int(t.completed)}/{int(t.total or 0)} ({elapsed:.0f} s)")
+
+
 def run(
     target: Model,
     target_name: str,
@@ -423,7 +435,7 @@ def run(
                     [c for g in groups for c in g],
                     opts.self_distill,
                     opts.distill_tokens,
-                    lambda: bar.advance(task),
+                    lambda: _advance(bar, task, 1, progress, console, t0),
                 )
                 groups.insert(0, distilled)  # the target's own words come first
                 # kept for reuse: --data DIR/distilled.jsonl
@@ -453,7 +465,12 @@ def run(
             if not kept:
                 raise TrainError(f"the corpus {list(sources)} gave no sequence of 8+ tokens")
             task = bar.add_task("target features", total=total, info="")
-            data = extract_features(target, kept, opts.draft_vocab, lambda n: bar.advance(task, n))
+            data = extract_features(
+                target,
+                kept,
+                opts.draft_vocab,
+                lambda n: _advance(bar, task, n, progress, console, t0),
+            )
             data.save(data_path)
         t_data = time.perf_counter() - t0
         name = target_name
