@@ -114,6 +114,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="add the target's own greedy answers to this many corpus prompts",
     )
     eagle.add_argument(
+        "--distill-dtype",
+        default="int8",
+        choices=["float32", "bfloat16", "int8", "int4"],
+        help="target dtype for writing the self-distilled answers (int8 decodes several "
+        "times faster than float32 on CPU; features still come from --dtype)",
+    )
+    eagle.add_argument(
         "--distill-tokens",
         type=_positive,
         default=d.distill_tokens,
@@ -176,7 +183,20 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         warmup=min(TrainOptions().warmup, max(1, args.max_steps // 10)),
     )
     target = load_model(args.target, dtype=args.dtype, trust_unverified=args.trust_unverified)
-    summary = run(target, str(args.target), sources, args.out, opts, progress=sys.stderr.isatty())
+    generator = None
+    if args.self_distill and args.distill_dtype != args.dtype:
+        generator = load_model(
+            args.target, dtype=args.distill_dtype, trust_unverified=args.trust_unverified
+        )
+    summary = run(
+        target,
+        str(args.target),
+        sources,
+        args.out,
+        opts,
+        progress=sys.stderr.isatty(),
+        generator_model=generator,
+    )
     print(json.dumps(summary, indent=2))
     print(
         f"head written to {args.out} (head.safetensors, config.json, manifest.json)",

@@ -392,8 +392,12 @@ def run(
     opts: TrainOptions,
     *,
     progress: bool = True,
+    generator_model: Model | None = None,
 ) -> dict[str, Any]:
-    """The whole `speculant train eagle` job; returns a summary (also DIR/train.json)."""
+    """The whole `speculant train eagle` job; returns a summary (also DIR/train.json).
+
+    `generator_model` (the same target in a faster dtype, e.g. int8) writes the
+    self-distilled answers; the features always come from `target`."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -431,7 +435,7 @@ def run(
             if opts.self_distill:
                 task = bar.add_task("self-distilling", total=opts.self_distill, info="")
                 distilled = self_distill(
-                    target,
+                    generator_model or target,
                     [c for g in groups for c in g],
                     opts.self_distill,
                     opts.distill_tokens,
