@@ -162,3 +162,30 @@ def test_tree_layout_helpers() -> None:
     assert tree_paths([-1, 0, 1]) == [[0, 1, 2]]  # a chain is one path
     with pytest.raises(ValueError, match="parents must come first"):
         tree_depths([-1, 2, 0])
+
+
+def test_tree_positions_and_path_masks(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    """A hand-made tree: every node's rotary position is start + depth, and each path
+    is attended as a chain (row r sees the context and rows start..start+r)."""
+    from conftest import tiny_model
+
+    from speculant.models.decoder import Segment
+
+    m = tiny_model(tiny_root, "llama", seed=4)
+    parents = [-1, 0, 0, 1, -1]  # two roots; node 3 under 1 under 0
+    start = 10
+    seg = Segment(torch.tensor([1, 2, 3, 4, 5]), m.new_cache(40), start, parents)
+    ctx = m.net._segment_context(seg, 5)
+    table = m.net._rope_full
+    for node, depth in enumerate([0, 1, 1, 2, 0]):
+        assert torch.equal(ctx.rope_full[:, node], table[:, start + depth])
+    assert ctx.paths is not None
+    assert [p.nodes.tolist() for p in ctx.paths] == [[0, 2], [0, 1, 3], [4]]
+    # each node is computed by exactly one path
+    owned = sorted(int(p.nodes[j]) for p in ctx.paths for j in p.own.tolist())
+    assert owned == [0, 1, 2, 3, 4]
+    for path in ctx.paths:
+        n = path.nodes.numel()
+        for r in range(n):
+            row = path.causal[r]
+            assert row[: start + r + 1].all() and not row[start + r + 1 :].any()
