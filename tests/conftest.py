@@ -52,3 +52,15 @@ def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2() -> Model:
     path = real_model_path("smollm2-135m-instruct")
     return load_model(path, dtype="bfloat16", progress=False)
+
+
+def tiny_eagle_options(model: Model, tree_topk: int = 3, seed: int = 0) -> dict[str, object]:
+    """proposer_options for method eagle on a tiny model: an untrained head (its drafts
+    are mostly rejected, which is what equivalence tests need to exercise)."""
+    import torch
+
+    from speculant.eagle.head import EagleHead, HeadConfig
+
+    torch.manual_seed(seed)
+    head = EagleHead(HeadConfig.for_target("tiny", "", model.config, model.vocab_size))
+    return {"eagle_head": head, "tree_topk": tree_topk, "tree_tokens": 8, "eagle_dtype": "float32"}

@@ -177,7 +177,7 @@ def test_parse_methods_and_peers() -> None:
     with pytest.raises(ValueError, match="out of range"):
         parse_methods(["ngram:0"], [5])
     eagle = parse_methods(["eagle:5:1", "eagle:6:4:16", "eagle"], [3])
-    assert [s.label for s in eagle] == ["none", "eagle:5:1:24", "eagle:6:4:16", "eagle:3:4:24"]
+    assert [s.label for s in eagle] == ["none", "eagle:5:1:16", "eagle:6:4:16", "eagle:3:1:16"]
     assert eagle[2].options == {"tree_topk": 4, "tree_tokens": 16}
     assert "eagle" not in {s.method for s in parse_methods(None, [5])}  # needs a head
     with pytest.raises(ValueError, match="eagle:K:TOPK:TOKENS"):

@@ -66,6 +66,10 @@ REPEATING = [3, 17, 42, 5, 9, 11, 3, 17, 42, 5, 9, 11, 3, 17]
 def _method_kwargs(method: str, target, tiny_root):  # type: ignore[no-untyped-def]
     if method == "draft":
         return {"draft": tiny_model(tiny_root, "llama", seed=2, num_hidden_layers=1)}
+    if method == "eagle":
+        from conftest import tiny_eagle_options
+
+        return {"proposer_options": tiny_eagle_options(target)}
     return {}
 
 

@@ -26,7 +26,11 @@ MAX_TOKENS = [24, 9, 30, 17, 20]  # sequences leave at different steps
 def _engine(tiny_root, method: str, k: int | str, dtype: str = "float32") -> Engine:  # type: ignore[no-untyped-def]
     target = tiny_model(tiny_root, "llama", seed=1, dtype=dtype)
     draft = tiny_model(tiny_root, "llama", seed=1, dtype=dtype, num_hidden_layers=1)
-    options = {"skip_layers": [1]} if method == "layer-skip" else {}
+    options: dict[str, object] = {"skip_layers": [1]} if method == "layer-skip" else {}
+    if method == "eagle":
+        from conftest import tiny_eagle_options
+
+        options = tiny_eagle_options(target, tree_topk=1 if k == 3 else 2)
     return Engine(
         target,
         draft=draft if method == "draft" else None,
@@ -72,7 +76,7 @@ def test_batched_greedy_equals_plain(tiny_root, method: str, k: int | str, dtype
         assert res.stats.num_generated == n
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "ngram", "layer-skip"])
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "layer-skip", "eagle"])
 def test_batched_seeded_sampling_equals_solo(tiny_root, method: str) -> None:  # type: ignore[no-untyped-def]
     """Each sequence has its own generator and its segment of every pass is bitwise its
     solo pass, so seeded sampled output is identical alone and in a batch: the batch

@@ -20,7 +20,7 @@ examples:
   speculant generate "Fix the bug: ..." --method ngram -k auto   # prompt lookup, adaptive k
   speculant train eagle --target smollm2-135m-instruct --out heads/smollm2   # EAGLE head
   speculant generate "def fib(n):" --target smollm2-135m-instruct --method eagle \
-      --eagle-head heads/smollm2 -k 5            # EAGLE-2 tree drafting, depth 5
+      --eagle-head heads/smollm2 -k 5            # EAGLE head; --tree-topk 4: trees
   speculant models list
   speculant models pull smollm2-135m-instruct
 """
@@ -109,13 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--tree-topk",
         type=int,
-        default=4,
-        help="eagle: candidates per tree node (1 = a chain, sampled from the head's q)",
+        default=1,
+        help="eagle: candidates per tree node; 1 = a chain sampled from the head's q (the "
+        "fastest on CPUs here), 2+ = an EAGLE-2 dynamic tree",
     )
     gen.add_argument(
         "--tree-tokens",
         type=int,
-        default=24,
+        default=16,
         help="eagle: draft tokens per tree (the most confident ones); -k sets its depth",
     )
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")

@@ -120,7 +120,7 @@ def parse_methods(specs: Sequence[str] | None, ks: Sequence[int | str]) -> list[
                 raise ValueError(f"{raw!r}: use eagle:K:TOPK:TOKENS with integers") from None
             if len(parts) > 4:
                 raise ValueError(f"{raw!r}: use eagle:K:TOPK:TOKENS")
-            full = shape + [4, 24][len(shape) :]
+            full = shape + [1, 16][len(shape) :]
             tree = (full[0], full[1])
         elif len(parts) > 2:
             if method != "layer-skip":

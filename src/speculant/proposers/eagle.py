@@ -46,6 +46,11 @@ if TYPE_CHECKING:
     from speculant.models.model import Model
 
 CATCH_UP_CHUNK = 512  # pairs fed to the head per call when catching up on a prompt
+# Defaults measured on this project's CPUs: a verify pass costs more per extra row here
+# than on a GPU, and chains were faster than trees at every shape tried (docs/eagle.md).
+# On a GPU, where a wider verify pass is nearly free, trees (e.g. top-4, 16 tokens) pay.
+DEFAULT_TREE_TOPK = 1
+DEFAULT_TREE_TOKENS = 16
 
 
 def dense_rows(w: Linear, ids: Tensor) -> Tensor:
@@ -113,8 +118,8 @@ class EagleProposer:
         draft: Model | None = None,
         *,
         eagle_head: str | Path | EagleHead | None = None,
-        tree_topk: int = 4,
-        tree_tokens: int = 24,
+        tree_topk: int = DEFAULT_TREE_TOPK,
+        tree_tokens: int = DEFAULT_TREE_TOKENS,
         eagle_dtype: str = "int8",
         trust_unverified: bool = False,
         runtime: HeadRuntime | None = None,

@@ -62,9 +62,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="EAGLE head folder (speculant train eagle) for --speculative-method eagle",
     )
     p.add_argument(
-        "--tree-topk", type=int, default=4, help="eagle: candidates per tree node (1 = chain)"
+        "--tree-topk", type=int, default=1, help="eagle: candidates per tree node (1 = chain)"
     )
-    p.add_argument("--tree-tokens", type=int, default=24, help="eagle: draft tokens per tree")
+    p.add_argument("--tree-tokens", type=int, default=16, help="eagle: draft tokens per tree")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument(
