@@ -233,7 +233,8 @@ class EagleProposer:
             idx = int(q[0].argmax()) if params.greedy else int(sample(q, gen)[0])
             token = int(rt.draft_vocab[idx])
             ids.append(token)
-            qs.append(self._full_q(q[0]))
+            if not params.greedy:  # greedy q is one-hot: a point mass, no rows needed
+                qs.append(self._full_q(q[0]))
             if j + 1 == k:
                 break
             row = self._fed + j  # the pair (feature, token) at position n_ctx - 1 + j
@@ -246,7 +247,7 @@ class EagleProposer:
                 row,
                 visible,
             )[0]
-        return Draft(ids, torch.stack(qs))
+        return Draft(ids, torch.stack(qs) if qs else None)
 
     def _tree(self, feature: Tensor, n_ctx: int, depth: int) -> Draft:
         """EAGLE-2's dynamic tree: expand by cumulative confidence, keep the best."""
