@@ -29,6 +29,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 0")
+    return value
+
+
 def port(text: str) -> int:
     value = positive_int(text)
     if value > 65535:

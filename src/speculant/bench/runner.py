@@ -556,12 +556,7 @@ def _our_method(
         else:
             text += ", chain"
         if runtime is not None:
-            head_bytes = sum(
-                t.numel() * t.element_size()
-                for t in vars(runtime).values()
-                if isinstance(t, torch.Tensor) and t is not runtime.embeddings
-            )
-            weights += head_bytes
+            weights += runtime.nbytes
             settings["draft_vocab"] = int(runtime.draft_vocab.numel())
     else:
         text = f"speculant, {spec.method} proposer, k={spec.k}"

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from speculant.argtypes import nonneg_int, positive_int
+
 EPILOG_TRAIN = """\
 examples:
   speculant train eagle --target smollm2-135m-instruct --out heads/smollm2 --max-steps 300
@@ -29,26 +31,6 @@ examples:
                              "num_speculative_tokens": 5}'
 See docs/eagle.md for the layout and the SGLang command.
 """
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 1")
-    return value
-
-
-def _nonneg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 0")
-    return value
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -85,31 +67,31 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         choices=["float32", "bfloat16", "int8", "int4"],
         help="target dtype while collecting features",
     )
-    eagle.add_argument("--max-steps", type=_positive, default=d.steps, help="training steps")
-    eagle.add_argument("--batch", type=_positive, default=d.batch, help="sequences per step")
+    eagle.add_argument("--max-steps", type=positive_int, default=d.steps, help="training steps")
+    eagle.add_argument("--batch", type=positive_int, default=d.batch, help="sequences per step")
     eagle.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     eagle.add_argument(
         "--seq-len",
-        type=_positive,
+        type=positive_int,
         default=d.seq_len,
         help="tokens per sequence (longer ones are cut)",
     )
     eagle.add_argument(
         "--max-data-tokens",
-        type=_positive,
+        type=positive_int,
         default=d.max_data_tokens,
         help="stop collecting features after this many tokens",
     )
     eagle.add_argument(
         "--draft-vocab",
-        type=_positive,
+        type=positive_int,
         default=d.draft_vocab,
         help="rows of the drafting LM head: the most frequent target tokens "
         "(the full vocabulary still verifies, so output is unchanged)",
     )
     eagle.add_argument(
         "--self-distill",
-        type=_nonneg,
+        type=nonneg_int,
         default=d.self_distill,
         help="add the target's own greedy answers to this many corpus prompts",
     )
@@ -122,15 +104,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     eagle.add_argument(
         "--distill-tokens",
-        type=_positive,
+        type=positive_int,
         default=d.distill_tokens,
         help="longest self-distilled answer",
     )
     eagle.add_argument(
-        "--save-every", type=_positive, default=d.save_every, help="checkpoint interval (steps)"
+        "--save-every", type=positive_int, default=d.save_every, help="checkpoint interval (steps)"
     )
-    eagle.add_argument("--seed", type=_nonneg, default=d.seed)
-    eagle.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    eagle.add_argument("--seed", type=nonneg_int, default=d.seed)
+    eagle.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     eagle.add_argument(
         "--trust-unverified",
         action="store_true",

@@ -140,12 +140,8 @@ class EagleHead(nn.Module):
         v = v.repeat_interleave(rep, dim=1)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + self.o_proj(att.transpose(1, 2).reshape(b, t, -1))
-        x = _rms(h, self.post_attention_layernorm, cfg.norm_eps)
+        x = rms_norm(h, self.post_attention_layernorm, cfg.norm_eps)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 @dataclass
@@ -180,31 +176,37 @@ class HeadRuntime:
         self.act = torch.float32 if dtype == "float32" else torch.bfloat16
         sd = {k: v.detach().float() for k, v in head.state_dict().items()}
 
-        def w(name: str) -> Linear:
-            t = sd[name]
+        def w(t: Tensor) -> Linear:
             return Int8Weight.quantize(t) if dtype == "int8" else t.contiguous()
 
-        def b(name: str) -> Tensor | None:
-            return sd[name].to(self.act) if name in sd else None
+        def cat(*names: str) -> Tensor:
+            return torch.cat([sd[n] for n in names])
 
-        self.fc, self.fc_b = w("fc.weight"), b("fc.bias")
-        qkv = torch.cat([sd["q_proj.weight"], sd["k_proj.weight"], sd["v_proj.weight"]])
-        self.wqkv = Int8Weight.quantize(qkv) if dtype == "int8" else qkv.contiguous()
+        self.fc = w(sd["fc.weight"])
+        self.fc_b = sd["fc.bias"].to(self.act) if "fc.bias" in sd else None
+        self.wqkv = w(cat("q_proj.weight", "k_proj.weight", "v_proj.weight"))
         self.bqkv = (
-            torch.cat([sd["q_proj.bias"], sd["k_proj.bias"], sd["v_proj.bias"]]).to(self.act)
-            if cfg.qkv_bias
-            else None
+            cat("q_proj.bias", "k_proj.bias", "v_proj.bias").to(self.act) if cfg.qkv_bias else None
         )
-        self.wo = w("o_proj.weight")
+        self.wo = w(sd["o_proj.weight"])
         self.norm = sd["post_attention_layernorm"].to(self.act)
-        gate_up = torch.cat([sd["gate_proj.weight"], sd["up_proj.weight"]])
-        self.w_gate_up = Int8Weight.quantize(gate_up) if dtype == "int8" else gate_up.contiguous()
-        self.w_down = w("down_proj.weight")
-        self.embeddings = embeddings.to(self.act)
-        rows = lm_rows.float()
-        self.lm = Int8Weight.quantize(rows) if dtype == "int8" else rows.contiguous()
+        self.w_gate_up = w(cat("gate_proj.weight", "up_proj.weight"))
+        self.w_down = w(sd["down_proj.weight"])
+        self.embeddings = embeddings  # the target's own table, rows cast when looked up
+        self.lm = w(lm_rows.float())
         self.draft_vocab = sd["draft_vocab"].long()
         self.rope = rope_tables(cfg.head_dim, cfg.rope_theta, max_positions + 64).to(self.act)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the head's own weights (the shared embedding table excluded)."""
+        total = 0
+        for value in vars(self).values():
+            if isinstance(value, Int8Weight):
+                total += value.nbytes
+            elif isinstance(value, Tensor) and value is not self.embeddings:
+                total += value.numel() * value.element_size()
+        return total
 
     def new_cache(self, rows: int) -> HeadCache:
         cfg = self.cfg
@@ -228,7 +230,7 @@ class HeadRuntime:
         cfg = self.cfg
         n = tokens.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        x = torch.cat([self.embeddings[tokens], features.to(self.act)], dim=-1)
+        x = torch.cat([self.embeddings[tokens].to(self.act), features.to(self.act)], dim=-1)
         h = linear(x, self.fc, self.fc_b)
         qkv = linear(h, self.wqkv, self.bqkv)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
