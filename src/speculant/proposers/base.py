@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from speculant.models.decoder import tree_depths
 from speculant.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,18 +47,14 @@ class Draft:
                 raise ValueError(
                     f"{len(self.parents)} parents for {len(self.token_ids)} tree drafts"
                 )
-            if any(not -1 <= p < i for i, p in enumerate(self.parents)):
-                raise ValueError(f"tree parents {self.parents} must come before their children")
+            tree_depths(self.parents)  # validates: parents come before their children
 
     @property
     def depth(self) -> int:
         """Tokens on the longest path (k for a chain)."""
         if self.parents is None:
             return len(self.token_ids)
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(depths[p] + 1 if p >= 0 else 1)
-        return max(depths, default=0)
+        return max(tree_depths(self.parents), default=-1) + 1
 
 
 EMPTY_DRAFT = Draft([])
