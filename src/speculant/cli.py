@@ -145,13 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=["bfloat16", "float32", "int8", "int4"],
-        help="target dtype (int8: weight-only int8 with bfloat16 activations)",
+        choices=["bfloat16", "float32", "int8", "int4", "gguf"],
+        help="target dtype (int8: weight-only int8 with bfloat16 activations; gguf: the "
+        "file's own quantized blocks run as stored by the native kernels)",
     )
     gen.add_argument(
         "--draft-dtype",
         default="int8",
-        choices=["bfloat16", "float32", "int8", "int4"],
+        choices=["bfloat16", "float32", "int8", "int4", "gguf"],
         help="draft dtype; a lower-precision draft stays lossless, since "
         "verification filters its errors",
     )

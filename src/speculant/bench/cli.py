@@ -121,8 +121,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4"])
-    p.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4"])
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
+    )
+    p.add_argument(
+        "--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
+    )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench"), help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")

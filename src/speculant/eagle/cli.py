@@ -64,7 +64,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     eagle.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "int8", "int4"],
+        choices=["float32", "bfloat16", "int8", "int4", "gguf"],
         help="target dtype while collecting features",
     )
     eagle.add_argument("--max-steps", type=positive_int, default=d.steps, help="training steps")
@@ -98,7 +98,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     eagle.add_argument(
         "--distill-dtype",
         default="int8",
-        choices=["float32", "bfloat16", "int8", "int4"],
+        choices=["float32", "bfloat16", "int8", "int4", "gguf"],
         help="target dtype for writing the self-distilled answers (int8 decodes several "
         "times faster than float32 on CPU; features still come from --dtype)",
     )

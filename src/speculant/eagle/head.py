@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from speculant.models.config import ModelConfig
-from speculant.models.decoder import Int8Weight, Linear, apply_rope, linear, rms_norm, rope_tables
+from speculant.models.decoder import (
+    GGUFWeight,
+    Int8Weight,
+    Linear,
+    apply_rope,
+    embed_rows,
+    linear,
+    rms_norm,
+    rope_tables,
+)
 
 HEAD_FORMAT = "speculant-eagle-1"
 
@@ -162,7 +171,7 @@ class HeadRuntime:
     def __init__(
         self,
         head: EagleHead,
-        embeddings: Tensor,
+        embeddings: Tensor | GGUFWeight,
         lm_rows: Tensor,
         dtype: str = "float32",
         max_positions: int = 4096,
@@ -230,7 +239,9 @@ class HeadRuntime:
         cfg = self.cfg
         n = tokens.shape[0]
         hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        x = torch.cat([self.embeddings[tokens].to(self.act), features.to(self.act)], dim=-1)
+        x = torch.cat(
+            [embed_rows(self.embeddings, tokens).to(self.act), features.to(self.act)], dim=-1
+        )
         h = linear(x, self.fc, self.fc_b)
         qkv = linear(h, self.wqkv, self.bqkv)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from speculant.eagle.head import EagleHead, HeadConfig, save_head
+from speculant.models.decoder import GGUFWeight
 from speculant.models.model import Model
 
 BUILTIN_SOURCES = ("humaneval", "mtbench", "pycode")
@@ -483,7 +484,12 @@ def run(
         head = EagleHead(cfg)
         head.draft_vocab.copy_(data.draft_vocab)  # type: ignore[operator]
         w = target.net.weights
-        embed = w.tok_embeddings.float()
+        table = w.tok_embeddings
+        embed = (
+            table.rows(torch.arange(table.out_features))
+            if isinstance(table, GGUFWeight)
+            else table.float()
+        )
         lm_rows = dense_rows(w.output, data.draft_vocab)
         task = bar.add_task("training", total=opts.steps, info="")
 

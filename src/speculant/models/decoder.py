@@ -24,95 +24,16 @@ from torch import Tensor
 
 from speculant.cache import KEY_BLOCK, KVCache
 from speculant.models.config import ModelConfig
+from speculant.models.formats import (  # noqa: F401 (re-exported)
+    INT4_GROUP,
+    GGUFWeight,
+    Int4Weight,
+    Int8Weight,
+    Linear,
+    embed_rows,
+    linear,
+)
 from speculant.models.numerics import Padding, calibrate, padded_rows
-
-
-@dataclass
-class Int8Weight:
-    """Weight-only int8: per-output-channel symmetric scales, bf16 activations.
-
-    Computed by one fused kernel (`_weight_int8pack_mm`) that reads half the bytes of
-    bf16; its rows are independent of the row count, so verify and decode agree.
-    """
-
-    q: Tensor  # [out, in] int8
-    scales: Tensor  # [out] bfloat16
-
-    @classmethod
-    def quantize(cls, w: Tensor) -> Int8Weight:
-        wf = w.float()
-        scales = (wf.abs().amax(dim=1) / 127.0).clamp_min(1e-10)  # [out]
-        q = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q.contiguous(), scales.to(torch.bfloat16))
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scales.numel() * 2
-
-    @property
-    def in_features(self) -> int:
-        return int(self.q.shape[1])
-
-
-INT4_GROUP = 32  # weights per (scale, zero) pair: 4 + 32/32 bits = 5 bits a weight
-
-
-@dataclass
-class Int4Weight:
-    """Weight-only int4, group-wise asymmetric: w = (q - 8) * scale + zero per group of
-    `group` input weights, bf16 activations, PyTorch's packed CPU kernel
-    (`_weight_int4pack_mm_for_cpu`). Needs out % 16 == 0 and in % group == 0."""
-
-    packed: Tensor  # [out, in / 2] uint8, the kernel's layout
-    scales_zeros: Tensor  # [in / group, out, 2] bfloat16
-    group: int
-
-    @staticmethod
-    def fits(w: Tensor, group: int = INT4_GROUP) -> bool:
-        return w.shape[0] % 16 == 0 and w.shape[1] % group == 0
-
-    @classmethod
-    def quantize(cls, w: Tensor, group: int = INT4_GROUP) -> Int4Weight:
-        out, inp = w.shape
-        wg = w.float().reshape(out, inp // group, group)
-        lo = wg.amin(dim=-1, keepdim=True)
-        hi = wg.amax(dim=-1, keepdim=True)
-        scale = ((hi - lo) / 15).clamp_min(1e-8)  # [out, in/group, 1]
-        q = torch.round((wg - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(out, inp)
-        zero = lo + 8 * scale  # so that w = (q - 8) * scale + zero
-        sz = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in/group, out, 2]
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        return cls(packed, sz.to(torch.bfloat16), group)
-
-    def dequantize(self) -> Tensor:
-        """The float32 weight [out, in] this stands for (reference and tests)."""
-        out = self.packed.shape[0]
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return linear(eye, self).float().T.reshape(out, self.in_features)
-
-    @property
-    def in_features(self) -> int:
-        return int(self.packed.shape[1]) * 2
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.scales_zeros.numel() * 2
-
-
-Linear = Tensor | Int8Weight | Int4Weight
-
-
-def linear(x: Tensor, w: Linear, bias: Tensor | None = None) -> Tensor:
-    """x: [T, in] -> [T, out]."""
-    if isinstance(w, Int8Weight):
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.q, w.scales)
-        return y if bias is None else y + bias
-    if isinstance(w, Int4Weight):
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous(), w.packed, w.group, w.scales_zeros
-        )
-        return y if bias is None else y + bias
-    return F.linear(x, w, bias)
 
 
 @dataclass
@@ -132,7 +53,7 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    tok_embeddings: Tensor  # [vocab, dim]
+    tok_embeddings: Tensor | GGUFWeight  # [vocab, dim]
     norm: Tensor  # [dim]
     output: Linear  # [vocab, dim] (the embedding itself when tied)
     layers: list[LayerWeights] = field(default_factory=list)
@@ -144,6 +65,8 @@ class Weights:
                 out.extend([value.q, value.scales])
             elif isinstance(value, Int4Weight):
                 out.extend([value.packed, value.scales_zeros])
+            elif isinstance(value, GGUFWeight):
+                out.extend(data for _, data, _ in value.matrix.parts)
             elif isinstance(value, Tensor):
                 out.append(value)
         return out
@@ -184,8 +107,10 @@ class Weights:
 
     @property
     def weight_format(self) -> str | None:
-        """ "int4" or "int8" when the projections are quantized, else None."""
+        """ "gguf", "int4" or "int8" when the projections are quantized, else None."""
         w = self.layers[0].w_gate_up if self.layers else self.output
+        if isinstance(w, GGUFWeight):
+            return "gguf"
         if isinstance(w, Int4Weight):
             return "int4"
         if isinstance(w, Int8Weight):
@@ -404,7 +329,7 @@ class Transformer:
             parts.append(tokens)
             spans.append((offset, rows, n_real))
             offset += rows
-        x = F.embedding(torch.cat(parts), w.tok_embeddings)  # [sum rows, dim]
+        x = embed_rows(w.tok_embeddings, torch.cat(parts)).to(self.dtype)  # [sum rows, dim]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=self.dtype)
         for seg in segments:

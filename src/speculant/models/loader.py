@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -351,3 +352,108 @@ def load_gguf(
         return out
 
     return config, _assemble(config, get, _GGUF_NAMES, dtype)
+
+
+def load_gguf_native(
+    path: Path, progress: Callable[[int, int], None] | None = None
+) -> tuple[ModelConfig, Weights]:
+    """Load a GGUF file for the native kernels: projections, the LM head and the
+    embedding table stay in their stored blocks (memory-mapped, nothing dequantized);
+    norms and biases become float32. A projection in a format the kernels do not execute
+    (F16, BF16, Q5_K, ...) is dequantized to float32 instead."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from speculant.models.formats import GGUFWeight
+    from speculant.native import SUPPORTED_TYPES, NativeMatrix, row_bytes
+
+    try:
+        index = read_gguf(path)
+    except GGUFError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    config = config_from_gguf(index)
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(index.tensors))
+
+    def dense(name: str) -> Tensor:
+        info = index.tensors[name]
+        arr = dequantize(index.raw(name), GGMLQuantizationType(info.ggml_type))
+        out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(tuple(reversed(info.shape)))
+        if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.n_heads if "attn_q" in name else config.n_kv_heads
+            out = _unpermute_rope(out, heads)
+        return out
+
+    def stored(name: str) -> tuple[int, Tensor, int] | None:
+        """(type, row bytes as uint8 [rows * row_bytes], rows), or None when the kernels
+        cannot run this tensor's format."""
+        info = index.tensors[name]
+        k, n = int(info.shape[0]), int(info.shape[-1])
+        if info.ggml_type not in SUPPORTED_TYPES or row_bytes(info.ggml_type, k) == 0:
+            return None
+        with warnings.catch_warnings():  # read-only mapping: the kernels only read it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.asarray(index.raw(name)).view(np.uint8).reshape(n, -1))
+        if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.n_heads if "attn_q" in name else config.n_kv_heads
+            raw = _unpermute_rope(raw, heads).contiguous()  # whole rows move, blocks intact
+        return info.ggml_type, raw.reshape(-1), n
+
+    def need(role: str, i: int | None = None) -> str:
+        name = _GGUF_NAMES[role].format(i=i)
+        if name not in index.tensors:
+            raise ModelLoadError(f"tensor {name!r} is missing")
+        return name
+
+    def projection(*names: str) -> Tensor | GGUFWeight:
+        parts = [stored(n) for n in names]
+        for _ in names:
+            tick()
+        if any(p is None for p in parts):
+            return torch.cat([dense(n) for n in names]).contiguous()
+        k = int(index.tensors[names[0]].shape[0])
+        return GGUFWeight(NativeMatrix([p for p in parts if p is not None], k))
+
+    def vec(role: str, i: int | None = None, wanted: bool = True) -> Tensor | None:
+        name = _GGUF_NAMES[role].format(i=i)
+        if not wanted or name not in index.tensors:
+            return None
+        tick()
+        return dense(name).contiguous()
+
+    def need_vec(role: str, i: int | None = None) -> Tensor:
+        t = vec(role, i)
+        if t is None:
+            raise ModelLoadError(f"tensor {_GGUF_NAMES[role].format(i=i)!r} is missing")
+        return t
+
+    emb = projection(need("embed"))
+    output = emb
+    if not config.tie_embeddings:
+        output = projection(need("output"))
+    layers = []
+    for i in range(config.n_layers):
+        bias = None
+        if config.qkv_bias:
+            bias = torch.cat([need_vec("q_bias", i), need_vec("k_bias", i), need_vec("v_bias", i)])
+        layers.append(
+            LayerWeights(
+                attn_norm=need_vec("attn_norm", i),
+                wqkv=projection(need("q", i), need("k", i), need("v", i)),
+                wo=projection(need("o", i)),
+                ffn_norm=need_vec("ffn_norm", i),
+                w_gate_up=projection(need("gate", i), need("up", i)),
+                w_down=projection(need("down", i)),
+                bqkv=bias,
+                q_norm=vec("q_norm", i, config.qk_norm),
+                k_norm=vec("k_norm", i, config.qk_norm),
+                post_attn_norm=vec("post_attn_norm", i, config.sandwich_norm),
+                post_ffn_norm=vec("post_ffn_norm", i, config.sandwich_norm),
+            )
+        )
+    weights = Weights(tok_embeddings=emb, norm=need_vec("norm"), output=output, layers=layers)
+    return config, weights

@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from speculant import native
 from speculant.cache import KVCache
 from speculant.models import registry, weight_cache
 from speculant.models.config import ModelConfig
 from speculant.models.decoder import Segment, Transformer, Weights
-from speculant.models.loader import ModelLoadError, load_gguf, load_hf_dir
+from speculant.models.loader import ModelLoadError, load_gguf, load_gguf_native, load_hf_dir
 from speculant.models.tokenizer import Tokenizer
 
 DTYPES = {
@@ -26,8 +27,10 @@ DTYPES = {
 # Weight-only formats with bfloat16 activations: int8 (per-channel scales, half the
 # bytes of bf16 per token, the format of choice for a draft model on CPU) and int4
 # (group-wise, 5 bits a weight).
-QUANTIZED = {"int8": torch.bfloat16, "int4": torch.bfloat16}
-DTYPE_NAMES = ("bfloat16", "float32", "int8", "int4")
+QUANTIZED = {"int8": torch.bfloat16, "int4": torch.bfloat16, "gguf": torch.float32}
+# "gguf": the file's own quantized blocks executed as stored by the native kernels
+# (speculant.native), float32 activations; falls back to int8 when the kernels are missing.
+DTYPE_NAMES = ("bfloat16", "float32", "int8", "int4", "gguf")
 
 
 class Model:
@@ -180,7 +183,29 @@ def _load_path(
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:
             path = ggufs[0]
-    if path.is_dir():
+    kernels = ""
+    if quant == "gguf":
+        if path.suffix != ".gguf":
+            raise ModelLoadError(
+                f"dtype gguf runs a .gguf file's own blocks; {path} is not a .gguf file: "
+                f"use one of {', '.join(d for d in DTYPE_NAMES if d != 'gguf')}"
+            )
+        if native.available():
+            kernels = f", native {native.active_path()} kernels"
+        else:
+            dtype, quant = QUANTIZED["int8"], "int8"
+            if progress:
+                print(
+                    f"native kernels unavailable ({native.why_missing()}): "
+                    "running int8 weights through PyTorch instead",
+                    file=sys.stderr,
+                )
+    tokenizer: Tokenizer | None
+    if quant == "gguf":
+        verified = registry.check_integrity(path, trust_unverified=trust, progress=progress)
+        config, weights = _load_gguf_with_progress(path, dtype, progress, name, native=True)
+        tokenizer = Tokenizer.from_gguf(path)
+    elif path.is_dir():
         verified = registry.check_folder_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_hf_dir(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
@@ -203,13 +228,13 @@ def _load_path(
             f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only "
             f"{config.vocab_size} embeddings"
         )
-    if quant and weights.weight_format != quant:
+    if quant in ("int8", "int4") and weights.weight_format != quant:
         weights.quantize(quant)
     net = Transformer(config, weights, dtype)
     label = quant or str(dtype).removeprefix("torch.")
     if progress:
         print(
-            f"loaded {name} ({config.arch}, {weights.nbytes() / 1e9:.2f} GB {label}, "
+            f"loaded {name} ({config.arch}, {weights.nbytes() / 1e9:.2f} GB {label}{kernels}, "
             f"{'sha256 verified' if verified else 'unverified: no manifest'}) "
             f"in {time.perf_counter() - t0:.1f}s",
             file=sys.stderr,
@@ -218,8 +243,10 @@ def _load_path(
 
 
 def _load_gguf_with_progress(
-    path: Path, dtype: torch.dtype, progress: bool, name: str
+    path: Path, dtype: torch.dtype, progress: bool, name: str, native: bool = False
 ) -> tuple[ModelConfig, Weights]:
+    if native:
+        return load_gguf_native(path)  # memory-mapped: nothing to wait for
     if not progress:
         return load_gguf(path, dtype)
     from rich.console import Console

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from speculant.eagle.head import EagleHead, HeadCache, HeadLoadError, HeadRuntime, load_head
-from speculant.models.decoder import Int4Weight, Int8Weight, Linear
+from speculant.models.decoder import GGUFWeight, Int4Weight, Int8Weight, Linear
 from speculant.proposers.base import Draft, register
 from speculant.sampling import SamplingParams, process_logits, sample
 
@@ -59,6 +59,8 @@ def dense_rows(w: Linear, ids: Tensor) -> Tensor:
         return w.q[ids].float() * w.scales[ids].float()[:, None]
     if isinstance(w, Int4Weight):
         return w.dequantize()[ids]
+    if isinstance(w, GGUFWeight):
+        return w.rows(ids)
     return w[ids].float()
 
 

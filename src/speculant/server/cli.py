@@ -84,8 +84,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="model id in the API (default --model)"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4"])
-    p.add_argument("--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4"])
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
+    )
+    p.add_argument(
+        "--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
+    )
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument(
         "--stream-cadence-ms",

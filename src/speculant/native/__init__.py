@@ -1,0 +1,269 @@
+"""Speculant's native CPU kernels, loaded with ctypes.
+
+`pip install` compiles `kernels.c` into the extension module `speculant._kernels` with the
+system C compiler (see setup.py). The library picks its code path at run time from the
+CPU's instruction sets (AVX2 + FMA, else portable C); `set_path` forces one, for tests
+and benchmarks. When the library is missing, `available()` is False and `why_missing()`
+says why, and Speculant runs its PyTorch paths instead.
+
+The kernels compute y = x @ W.T over GGUF-quantized weights in their stored formats
+(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), with float32 activations quantized per row to int8
+on the way in (as llama.cpp does). A row's result never depends on the other rows of the
+call, the thread count or the code path: see the comment at the top of kernels.c.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# GGML type ids the kernels execute.
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
+SUPPORTED_TYPES = {
+    Q4_0: "Q4_0",
+    Q4_1: "Q4_1",
+    Q5_0: "Q5_0",
+    Q8_0: "Q8_0",
+    Q4_K: "Q4_K",
+    Q6_K: "Q6_K",
+}
+BLOCK = {
+    Q4_0: (32, 18),
+    Q4_1: (32, 20),
+    Q5_0: (32, 22),
+    Q8_0: (32, 34),
+    Q4_K: (256, 144),
+    Q6_K: (256, 210),
+}
+
+PATHS = {"auto": 0, "portable": 1, "avx2": 2}
+_PATH_NAMES = {1: "portable", 2: "avx2"}
+MAX_PARTS = 8
+THREADS = int(os.environ.get("SPECULANT_THREADS", "0")) or (os.cpu_count() or 1)
+
+_lib: Any = None
+_missing: str | None = None
+_loaded = False
+
+_i64p = ctypes.POINTER(ctypes.c_int64)
+
+
+def _load() -> Any:
+    global _lib, _missing, _loaded
+    if _loaded:
+        return _lib
+    _loaded = True
+    if os.environ.get("SPECULANT_NATIVE", "1") == "0":
+        _missing = "SPECULANT_NATIVE=0 turns them off"
+        return None
+    spec = importlib.util.find_spec("speculant._kernels")
+    if spec is None or spec.origin is None:
+        _missing = "the extension speculant._kernels was not built (no C compiler at install?)"
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as exc:
+        _missing = f"{spec.origin} could not be loaded ({exc})"
+        return None
+    lib.spec_features.restype = ctypes.c_int
+    lib.spec_set_path.argtypes = [ctypes.c_int]
+    lib.spec_set_path.restype = ctypes.c_int
+    lib.spec_active_path.restype = ctypes.c_int
+    lib.spec_row_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.spec_row_bytes.restype = ctypes.c_int64
+    lib.spec_linear.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,  # int types[]
+        ctypes.c_void_p,  # const void *weights[]
+        ctypes.c_void_p,  # int64 ns[]
+        ctypes.c_int64,
+        ctypes.c_void_p,  # x
+        ctypes.c_int64,
+        ctypes.c_void_p,  # y
+        ctypes.c_int64,
+        ctypes.c_int,
+    ]
+    lib.spec_linear.restype = ctypes.c_int
+    lib.spec_dequant_rows.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
+    lib.spec_dequant_rows.restype = ctypes.c_int
+    lib.spec_quantize_rows.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    lib.spec_quantize_rows.restype = ctypes.c_int
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def why_missing() -> str | None:
+    """Why the kernels are unavailable (None when they load)."""
+    _load()
+    return _missing
+
+
+def _need() -> Any:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native kernels are unavailable: {_missing}")
+    return lib
+
+
+def paths() -> list[str]:
+    """The code paths this CPU can run, slowest first."""
+    lib = _need()
+    out = ["portable"]
+    if lib.spec_features() & 1:
+        out.append("avx2")
+    return out
+
+
+def set_path(name: str) -> None:
+    """Force a code path ("portable", "avx2") or let the CPU decide ("auto")."""
+    if name not in PATHS:
+        raise ValueError(f"kernel path {name!r} is not known: use one of {', '.join(PATHS)}")
+    if _need().spec_set_path(PATHS[name]) != 0:
+        raise ValueError(f"kernel path {name!r} is not available on this CPU: {paths()}")
+
+
+def active_path() -> str:
+    return _PATH_NAMES[_need().spec_active_path()]
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    if ggml_type not in BLOCK:
+        return 0
+    per, nbytes = BLOCK[ggml_type]
+    return k // per * nbytes if k % per == 0 else 0
+
+
+class NativeMatrix:
+    """One or more stored GGUF matrices [n_i, K] whose outputs are concatenated (a fused
+    projection whose parts may have different formats). `data` are uint8 arrays or
+    tensors holding each part's rows; they are kept alive here."""
+
+    def __init__(self, parts: list[tuple[int, Any, int]], k: int) -> None:
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"{len(parts)} parts: between 1 and {MAX_PARTS} are allowed")
+        self.k = k
+        self.parts = []
+        for ggml_type, data, n in parts:
+            if ggml_type not in SUPPORTED_TYPES:
+                raise ValueError(
+                    f"GGML type {ggml_type} is not executed natively: "
+                    f"use one of {', '.join(SUPPORTED_TYPES.values())}"
+                )
+            rb = row_bytes(ggml_type, k)
+            if rb == 0:
+                raise ValueError(
+                    f"K={k} is not a multiple of the {SUPPORTED_TYPES[ggml_type]} block"
+                )
+            if isinstance(data, Tensor):
+                t = data
+            else:
+                with warnings.catch_warnings():  # a read-only mapping: only read here
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = torch.from_numpy(data)
+            t = t.reshape(-1)
+            if t.dtype != torch.uint8 or t.numel() != rb * n:
+                raise ValueError(
+                    f"part of {t.numel()} {t.dtype} values: {n} rows of {rb} bytes wanted"
+                )
+            self.parts.append((ggml_type, t.contiguous(), n))
+        self.n = sum(n for _, _, n in self.parts)
+        count = len(self.parts)
+        self._types = (ctypes.c_int * count)(*[p[0] for p in self.parts])
+        self._ptrs = (ctypes.c_void_p * count)(*[p[1].data_ptr() for p in self.parts])
+        self._ns = (ctypes.c_int64 * count)(*[p[2] for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for _, t, _ in self.parts)
+
+    def matmul(self, x: Tensor, threads: int | None = None) -> Tensor:
+        """x [m, K] float32 -> [m, n] float32."""
+        lib = _need()
+        if x.dtype != torch.float32:
+            x = x.float()
+        x = x.contiguous()
+        m = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"input of shape {tuple(x.shape)}: [m, {self.k}] wanted")
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        if m == 0:
+            return y
+        rc = lib.spec_linear(
+            len(self.parts),
+            ctypes.addressof(self._types),
+            ctypes.addressof(self._ptrs),
+            ctypes.addressof(self._ns),
+            self.k,
+            x.data_ptr(),
+            m,
+            y.data_ptr(),
+            self.n,
+            threads if threads is not None else THREADS,
+        )
+        if rc != 0:
+            raise RuntimeError(f"native matmul failed with code {rc}")
+        return y
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Dequantized rows `ids` (indices into the concatenated rows) [len(ids), K]."""
+        lib = _need()
+        ids = ids.reshape(-1).to(torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
+            raise IndexError(f"row ids must lie in [0, {self.n})")
+        out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
+        offset = 0
+        for ggml_type, data, n in self.parts:
+            sel = ((ids >= offset) & (ids < offset + n)).nonzero().reshape(-1)
+            if sel.numel():
+                local = (ids[sel] - offset).contiguous()
+                part = torch.empty(sel.numel(), self.k, dtype=torch.float32)
+                rc = lib.spec_dequant_rows(
+                    ggml_type,
+                    data.data_ptr(),
+                    self.k,
+                    local.data_ptr(),
+                    local.numel(),
+                    part.data_ptr(),
+                )
+                if rc != 0:
+                    raise RuntimeError(f"native dequantize failed with code {rc}")
+                out[sel] = part
+            offset += n
+        return out
+
+
+def quantize_rows(x: Tensor, kquant: bool) -> tuple[Tensor, Tensor]:
+    """The kernels' activation quantizer (tests): int8 codes [m, K] and scales per block."""
+    lib = _need()
+    x = x.float().contiguous()
+    m, k = x.shape
+    per = 256 if kquant else 32
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, k // per, dtype=torch.float32)
+    if lib.spec_quantize_rows(int(kquant), x.data_ptr(), k, m, codes.data_ptr(), scales.data_ptr()):
+        raise ValueError(f"K={k} is not a multiple of {per}")
+    return codes, scales

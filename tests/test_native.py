@@ -1,0 +1,177 @@
+"""The native kernels (speculant.native): exact dequantization against the `gguf`
+reference, matrix products within a float64 bound, bitwise row invariance (a row alone
+equals the same row in any batch of up to 32, at any offset, on every code path this CPU
+has, at any thread count), bitwise agreement of the code paths, and the GGUF dtype on
+real models (greedy speculative output equals plain output)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import real_model_path
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
+from test_engine import ScriptedProposer
+
+from speculant import Engine, SamplingParams, load_model, native
+from speculant.engine import plain_greedy
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"native kernels unavailable: {native.why_missing()}"
+)
+
+TYPES = sorted(native.SUPPORTED_TYPES)
+NAMES = [native.SUPPORTED_TYPES[t] for t in TYPES]
+# byte offsets of the fp16 scale fields in each block (random bytes there could be inf)
+_SCALES = {native.Q4_0: [0], native.Q4_1: [0, 2], native.Q5_0: [0], native.Q8_0: [0]}
+_SCALES |= {native.Q4_K: [0, 2], native.Q6_K: [208]}
+
+
+def random_matrix(ggml_type: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random stored blocks [n, row bytes]: every code pattern is a valid block; the
+    scales are set to small finite halves."""
+    rng = np.random.default_rng(seed)
+    per, nbytes = native.BLOCK[ggml_type]
+    raw = rng.integers(0, 256, size=(n, k // per, nbytes), dtype=np.uint8)
+    for off in _SCALES[ggml_type]:
+        scales = (rng.standard_normal((n, k // per)) * 0.02).astype(np.float16)
+        raw[:, :, off : off + 2] = scales.view(np.uint8).reshape(n, k // per, 2)
+    return raw.reshape(n, -1)
+
+
+def reference(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:
+    return dequantize(raw, GGMLQuantizationType(ggml_type)).reshape(n, k).astype(np.float32)
+
+
+@pytest.fixture(params=["portable", "avx2"])
+def path(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    if request.param not in native.paths():
+        pytest.skip(f"this CPU has no {request.param} path")
+    native.set_path(request.param)
+    yield request.param
+    native.set_path("auto")
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_dequantized_rows_equal_the_gguf_reference(ggml_type: int) -> None:
+    n, k = 19, 512
+    raw = random_matrix(ggml_type, n, k)
+    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
+    ids = torch.tensor([3, 0, 18, 3, 7])
+    assert np.array_equal(matrix.rows(ids).numpy(), reference(raw, ggml_type, n, k)[ids.numpy()])
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_matmul_within_the_float64_bound(ggml_type: int, path: str) -> None:
+    """|y - y64| <= sum over blocks of (d_b / 2) * sum |w| (the activation rounding),
+    plus float32 accumulation slack, against the float64 product of the exact weights."""
+    n, k, m = 45, 768, 7
+    raw = random_matrix(ggml_type, n, k, seed=1)
+    w = torch.from_numpy(reference(raw, ggml_type, n, k)).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * 3
+    y = native.NativeMatrix([(ggml_type, raw, n)], k).matmul(x)
+    y64 = x.double() @ w.T
+    kquant = ggml_type in (native.Q4_K, native.Q6_K)
+    per = 256 if kquant else 32
+    _, scales = native.quantize_rows(x, kquant)  # [m, k / per]
+    wsum = w.abs().reshape(n, k // per, per).sum(-1)  # [n, k / per]
+    bound = 0.5 * scales.double() @ wsum.T + 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    assert ((y.double() - y64).abs() <= bound).all()
+    assert (y.double() - y64).abs().max() > 0  # the bound is not vacuous: rounding happens
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_row_alone_equals_row_in_any_batch(ggml_type: int, path: str) -> None:
+    n, k = 67, 512  # 67 columns: chunks of columns do not divide it
+    raw = random_matrix(ggml_type, n, k, seed=3)
+    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([matrix.matmul(x[i : i + 1], threads=1) for i in range(40)])
+    for m in range(1, 33):
+        for offset in sorted({0, 1, 40 - m}):
+            if offset + m > 40:
+                continue
+            for threads in (1, 2, 3):
+                got = matrix.matmul(x[offset : offset + m], threads=threads)
+                assert torch.equal(got, alone[offset : offset + m]), (m, offset, threads)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
+def test_code_paths_agree_bitwise(ggml_type: int) -> None:
+    n, k = 33, 1024
+    raw = random_matrix(ggml_type, n, k, seed=5)
+    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(6))
+    outs = {}
+    try:
+        for p in native.paths():
+            native.set_path(p)
+            outs[p] = matrix.matmul(x)
+    finally:
+        native.set_path("auto")
+    for p, y in outs.items():
+        assert torch.equal(y, outs["portable"]), p
+
+
+def test_mixed_parts_concatenate_columns(path: str) -> None:
+    """A fused projection with parts in different formats (Q5_0 queries beside Q8_0
+    values in the 0.5B file) equals its parts run one by one."""
+    k = 256
+    specs = [(native.Q5_0, 5), (native.Q8_0, 3), (native.Q4_K, 1), (native.Q6_K, 2)]
+    parts = [(t, random_matrix(t, n, k, seed=i), n) for i, (t, n) in enumerate(specs)]
+    x = torch.randn(5, k)
+    fused = native.NativeMatrix(parts, k).matmul(x)
+    single = torch.cat([native.NativeMatrix([p], k).matmul(x) for p in parts], dim=1)
+    assert torch.equal(fused, single)
+
+
+def test_smallest_shapes_and_empty_input(path: str) -> None:
+    raw = random_matrix(native.Q8_0, 1, 32)
+    matrix = native.NativeMatrix([(native.Q8_0, raw, 1)], 32)
+    x = torch.randn(3, 32)
+    w = torch.from_numpy(reference(raw, native.Q8_0, 1, 32))
+    torch.testing.assert_close(matrix.matmul(x), x @ w.T, rtol=0.05, atol=0.05)
+    assert matrix.matmul(torch.zeros(0, 32)).shape == (0, 1)
+
+
+def test_bad_shapes_and_types_are_named() -> None:
+    with pytest.raises(ValueError, match="multiple of the Q4_K block"):
+        native.NativeMatrix([(native.Q4_K, np.zeros(144, np.uint8), 1)], 128)
+    with pytest.raises(ValueError, match="not executed natively"):
+        native.NativeMatrix([(1, np.zeros(64, np.uint8), 1)], 32)
+    matrix = native.NativeMatrix([(native.Q8_0, random_matrix(native.Q8_0, 2, 32), 2)], 32)
+    with pytest.raises(ValueError, match=r"\[m, 32\] wanted"):
+        matrix.matmul(torch.zeros(2, 64))
+    with pytest.raises(IndexError, match=r"\[0, 2\)"):
+        matrix.rows(torch.tensor([2]))
+    with pytest.raises(ValueError, match="not known"):
+        native.set_path("avx9000")
+
+
+# ------------------------------------------------------------------------ real models
+CODE = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_gguf_dtype_on_real_models(name: str) -> None:
+    """Stored-block execution tracks the dequantized float32 model, and greedy
+    speculation through it equals plain decoding, with drafts rejected at every position."""
+    path = real_model_path(name)
+    model = load_model(path, dtype="gguf", progress=False)
+    assert model.dtype_name == "gguf"
+    ids = model.tokenizer.encode(CODE)
+    dense = load_model(path, dtype="float32", progress=False)
+    got = model.forward(ids, model.new_cache(64), 0)
+    want = dense.forward(ids, dense.new_cache(64), 0)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+    reference = plain_greedy(model, ids, 24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for wrong_at in (0, 3):
+        scripted = ScriptedProposer(ids, reference + [0] * 8, wrong_at, model.vocab_size)
+        res = Engine(model, proposer=scripted, num_speculative_tokens=5).generate(ids, params)
+        assert res.token_ids == reference
+    res = Engine(model, draft=model, num_speculative_tokens=4).generate(ids, params)
+    assert res.token_ids == reference
