@@ -67,8 +67,11 @@ def test_qwen_shapes_match_when_pulled() -> None:
 
 @pytest.mark.real
 def test_estimate_is_close_to_measured_peak() -> None:
-    """A fresh process loads SmolLM2 and runs a 1024-token request; its peak resident
-    memory is within 25% of the plan (docs/planning.md states this tolerance)."""
+    """A fresh process loads SmolLM2 and runs a 1024-token request; what it adds to its
+    runtime (weights, cache, working memory) is within 25% of the plan (docs/planning.md
+    states this tolerance). The runtime itself (PyTorch and Python, before any model)
+    differs between machines, ~300 MiB on the AVX2 EPYC and ~420 MiB on the AVX-512
+    ones, so it is measured in the same process rather than taken from the constant."""
     real_model_path("smollm2-135m-instruct")
     argv = ["plan", "--target", "smollm2-135m-instruct", "--draft", "none"]
     argv += ["--context", "1024", "--measure", "--json", "--memory", "24GiB"]
@@ -76,8 +79,9 @@ def test_estimate_is_close_to_measured_peak() -> None:
         [sys.executable, "-m", "speculant.cli", *argv], capture_output=True, text=True, check=True
     )
     data = json.loads(out.stdout)
-    ratio = data["total_bytes"] / data["measured_peak_bytes"]
-    assert 0.75 < ratio < 1.25, ratio
+    planned = data["total_bytes"] - data["runtime_bytes"]
+    measured = data["measured_peak_bytes"] - data["measured_runtime_bytes"]
+    assert 0.75 < planned / measured < 1.25, (planned, measured)
 
 
 def test_plan_from_a_config_json(tmp_path: Path) -> None:

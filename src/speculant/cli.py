@@ -261,6 +261,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from speculant import Engine, SamplingParams, load_model
 
+    if args.threads is None and "gguf" in (args.dtype, args.draft_dtype):
+        from speculant import native
+
+        native.share_cores_with_torch()
     if args.threads is not None:
         if args.threads < 1:
             raise CliError(f"--threads={args.threads} is out of range: use >= 1")

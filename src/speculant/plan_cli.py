@@ -163,6 +163,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out = plan.to_dict() | {"fits": fits}
         if measured is not None:
             out["measured_peak_bytes"] = measured["peak"]
+            out["measured_runtime_bytes"] = measured["runtime"]
         print(json.dumps(out))
         return 0 if all(f["fits"] for f in fits) or not (args.memory or args.device) else 1
     console = Console() if sys.stdout.isatty() else Console(width=130)

@@ -184,6 +184,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from speculant.bench.runner import BenchConfig, parse_methods, run_bench
     from speculant.models.model import load_model
 
+    if args.threads is None and "gguf" in (args.dtype, args.draft_dtype):
+        from speculant import native
+
+        native.share_cores_with_torch()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     specs = parse_methods(args.methods, args.k)  # fail on a bad spec before loading models

@@ -337,7 +337,9 @@ static void kquant_cols_portable(const job_t *jb, const part_t *p, int64_t c0, i
         int64_t R = jb->m - r0 < MAX_ROWS_TILE ? jb->m - r0 : MAX_ROWS_TILE;
         for (int64_t c = c0; c < c1; c++) {
             const uint8_t *row = p->w + c * p->row_bytes;
-            float acc[MAX_ROWS_TILE] = {0};
+            float lacc[MAX_ROWS_TILE][8], lmin[MAX_ROWS_TILE][8];
+            memset(lacc, 0, sizeof lacc);
+            memset(lmin, 0, sizeof lmin);
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = row + b * (p->type == T_Q4_K ? 144 : 210);
                 uint8_t q[256];
@@ -347,16 +349,21 @@ static void kquant_cols_portable(const job_t *jb, const part_t *p, int64_t c0, i
                     decode_q4k(blk, q, sc, mn, &d, &dmin);
                     for (int64_t r = 0; r < R; r++) {
                         const xq256 *xb = jb->x256 + (r0 + r) * nb + b;
-                        int32_t s1 = 0, s2 = 0;
-                        for (int j = 0; j < 8; j++) {
-                            int32_t dot = 0;
-                            for (int i = 32 * j; i < 32 * j + 32; i++) dot += (int)q[i] * xb->q[i];
-                            s1 += sc[j] * dot;
-                            s2 += mn[j] * (xb->bsums[2 * j] + xb->bsums[2 * j + 1]);
+                        /* lane l: values 4l..4l+3 of each 32-value group, as the
+                         * vector path's int32 lanes */
+                        float f = d * xb->d, fm = dmin * xb->d;
+                        for (int l = 0; l < 8; l++) {
+                            int32_t s = 0;
+                            for (int j = 0; j < 8; j++) {
+                                int32_t dot = 0;
+                                for (int i = 32 * j + 4 * l; i < 32 * j + 4 * l + 4; i++)
+                                    dot += (int)q[i] * xb->q[i];
+                                s += sc[j] * dot;
+                            }
+                            int32_t mnl = mn[l] * (xb->bsums[2 * l] + xb->bsums[2 * l + 1]);
+                            lacc[r][l] = lacc[r][l] + f * (float)s;
+                            lmin[r][l] = lmin[r][l] + fm * (float)mnl;
                         }
-                        float a = d * (float)s1;
-                        float bm = dmin * (float)s2;
-                        acc[r] = acc[r] + xb->d * (a - bm);
                     }
                 } else {
                     int8_t sc[16];
@@ -364,20 +371,25 @@ static void kquant_cols_portable(const job_t *jb, const part_t *p, int64_t c0, i
                     decode_q6k(blk, q, sc, &d);
                     for (int64_t r = 0; r < R; r++) {
                         const xq256 *xb = jb->x256 + (r0 + r) * nb + b;
-                        int32_t s1 = 0, s2 = 0;
-                        for (int j = 0; j < 16; j++) {
-                            int32_t dot = 0;
-                            for (int i = 16 * j; i < 16 * j + 16; i++) dot += (int)q[i] * xb->q[i];
-                            s1 += sc[j] * dot;
-                            s2 += sc[j] * xb->bsums[j];
-                        }
-                        int32_t s = s1 - 32 * s2;
                         float f = d * xb->d;
-                        acc[r] = acc[r] + f * (float)s;
+                        for (int l = 0; l < 8; l++) {
+                            int32_t s = 0;
+                            for (int k = 0; k < 8; k++) {
+                                int32_t dot = 0;
+                                for (int i = 32 * k + 4 * l; i < 32 * k + 4 * l + 4; i++)
+                                    dot += (int)q[i] * xb->q[i];
+                                s += sc[(32 * k + 4 * l) / 16] * dot;
+                            }
+                            s -= 32 * (sc[2 * l] * xb->bsums[2 * l] + sc[2 * l + 1] * xb->bsums[2 * l + 1]);
+                            lacc[r][l] = lacc[r][l] + f * (float)s;
+                        }
                     }
                 }
             }
-            for (int64_t r = 0; r < R; r++) jb->y[(r0 + r) * jb->ldy + p->col0 + c] = acc[r];
+            for (int64_t r = 0; r < R; r++) {
+                float v = p->type == T_Q4_K ? hsum8(lacc[r]) - hsum8(lmin[r]) : hsum8(lacc[r]);
+                jb->y[(r0 + r) * jb->ldy + p->col0 + c] = v;
+            }
         }
     }
 }
@@ -490,19 +502,29 @@ q4k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
     const int64_t nb = jb->K / 256;
     const uint8_t *row = p->w + c * p->row_bytes;
     const __m256i lowmask = _mm256_set1_epi8(0xF);
-    float acc[MAX_ROWS_TILE];
-    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    __m256 acc[MAX_ROWS_TILE], accm[MAX_ROWS_TILE];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        accm[r] = _mm256_setzero_ps();
+    }
     const xq256 *xbase = jb->x256 + r0 * nb;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 144;
         const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
         int sc[8], mn[8];
         for (int j = 0; j < 8; j++) q4k_scale_min(blk + 4, j, &sc[j], &mn[j]);
-        __m256i lo[4], hi[4];
+        /* mins, each twice: madd with the 16 bsums gives m_j * (bs[2j] + bs[2j+1]) */
+        const __m256i mins = _mm256_setr_epi16(
+            (short)mn[0], (short)mn[0], (short)mn[1], (short)mn[1], (short)mn[2], (short)mn[2],
+            (short)mn[3], (short)mn[3], (short)mn[4], (short)mn[4], (short)mn[5], (short)mn[5],
+            (short)mn[6], (short)mn[6], (short)mn[7], (short)mn[7]);
+        __m256i lo[4], hi[4], slo[4], shi[4];
         for (int k = 0; k < 4; k++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
             lo[k] = _mm256_and_si256(q, lowmask);
             hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), lowmask);
+            slo[k] = _mm256_set1_epi16((short)sc[2 * k]);
+            shi[k] = _mm256_set1_epi16((short)sc[2 * k + 1]);
         }
         for (int r = 0; r < R; r++) {
             const xq256 *xb = xbase + r * nb + b;
@@ -510,21 +532,18 @@ q4k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
             for (int k = 0; k < 4; k++) {
                 __m256i xl = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k));
                 __m256i xh = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k + 32));
-                __m256i pl = _mm256_maddubs_epi16(lo[k], xl);
-                __m256i ph = _mm256_maddubs_epi16(hi[k], xh);
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(pl, _mm256_set1_epi16((short)sc[2 * k])));
-                s = _mm256_add_epi32(s,
-                                     _mm256_madd_epi16(ph, _mm256_set1_epi16((short)sc[2 * k + 1])));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[k], xl), slo[k]));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[k], xh), shi[k]));
             }
-            int32_t s1 = hsum_epi32(s);
-            int32_t s2 = 0;
-            for (int j = 0; j < 8; j++) s2 += mn[j] * (xb->bsums[2 * j] + xb->bsums[2 * j + 1]);
-            float a = d * (float)s1;
-            float bm = dmin * (float)s2;
-            acc[r] = acc[r] + xb->d * (a - bm);
+            __m256i bs = _mm256_loadu_si256((const __m256i *)xb->bsums);
+            __m256i mm = _mm256_madd_epi16(bs, mins);
+            __m256 f = _mm256_set1_ps(d * xb->d), fm = _mm256_set1_ps(dmin * xb->d);
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(s)));
+            accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(fm, _mm256_cvtepi32_ps(mm)));
         }
     }
-    for (int r = 0; r < R; r++) jb->y[(r0 + r) * jb->ldy + p->col0 + c] = acc[r];
+    for (int r = 0; r < R; r++)
+        jb->y[(r0 + r) * jb->ldy + p->col0 + c] = hsum8_avx(acc[r]) - hsum8_avx(accm[r]);
 }
 
 AVX2 __attribute__((always_inline)) static inline void
@@ -532,8 +551,8 @@ q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
     const int64_t nb = jb->K / 256;
     const uint8_t *row = p->w + c * p->row_bytes;
     const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
-    float acc[MAX_ROWS_TILE];
-    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    __m256 acc[MAX_ROWS_TILE];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const xq256 *xbase = jb->x256 + r0 * nb;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210;
@@ -561,6 +580,7 @@ q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
                 scv[4 * h + k] = _mm256_set_m128i(_mm_set1_epi16(s[1]), _mm_set1_epi16(s[0]));
             }
         }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         for (int r = 0; r < R; r++) {
             const xq256 *xb = xbase + r * nb + b;
             __m256i s = _mm256_setzero_si256();
@@ -568,15 +588,13 @@ q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(xb->q + 32 * k));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), scv[k]));
             }
-            int32_t s1 = hsum_epi32(s);
-            int32_t s2 = 0;
-            for (int j = 0; j < 16; j++) s2 += sc[j] * xb->bsums[j];
-            int32_t st = s1 - 32 * s2;
-            float f = d * xb->d;
-            acc[r] = acc[r] + f * (float)st;
+            __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
+            s = _mm256_sub_epi32(s, _mm256_slli_epi32(bs, 5));
+            __m256 f = _mm256_set1_ps(d * xb->d);
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(s)));
         }
     }
-    for (int r = 0; r < R; r++) jb->y[(r0 + r) * jb->ldy + p->col0 + c] = acc[r];
+    for (int r = 0; r < R; r++) jb->y[(r0 + r) * jb->ldy + p->col0 + c] = hsum8_avx(acc[r]);
 }
 
 /* Constant-R specializations, so the row loops unroll and accumulators stay in registers. */

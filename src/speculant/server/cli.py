@@ -120,6 +120,10 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     from speculant.server.app import create_app
     from speculant.server.async_engine import AsyncEngine
 
+    if args.threads is None and "gguf" in (args.dtype, args.draft_dtype):
+        from speculant import native
+
+        native.share_cores_with_torch()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     method = args.speculative_method or ("draft" if args.speculative_model else "none")
