@@ -6,6 +6,10 @@ real models (greedy speculative output equals plain output)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -175,3 +179,22 @@ def test_gguf_dtype_on_real_models(name: str) -> None:
         assert res.token_ids == reference
     res = Engine(model, draft=model, num_speculative_tokens=4).generate(ids, params)
     assert res.token_ids == reference
+
+
+@pytest.mark.real
+def test_missing_kernels_fall_back_to_int8_with_one_line() -> None:
+    path = real_model_path("smollm2-135m-instruct")
+    code = (
+        "from speculant import load_model; import sys; "
+        f"m = load_model({str(path)!r}, dtype='gguf'); print(m.dtype_name)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "SPECULANT_NATIVE": "0"},
+    )
+    assert out.stdout.strip() == "int8"
+    assert "native kernels unavailable (SPECULANT_NATIVE=0 turns them off)" in out.stderr
+    assert "running int8 weights through PyTorch instead" in out.stderr

@@ -511,20 +511,26 @@ q4k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 144;
         const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
-        int sc[8], mn[8];
-        for (int j = 0; j < 8; j++) q4k_scale_min(blk + 4, j, &sc[j], &mn[j]);
-        /* mins, each twice: madd with the 16 bsums gives m_j * (bs[2j] + bs[2j+1]) */
-        const __m256i mins = _mm256_setr_epi16(
-            (short)mn[0], (short)mn[0], (short)mn[1], (short)mn[1], (short)mn[2], (short)mn[2],
-            (short)mn[3], (short)mn[3], (short)mn[4], (short)mn[4], (short)mn[5], (short)mn[5],
-            (short)mn[6], (short)mn[6], (short)mn[7], (short)mn[7]);
+        /* the 12 scale bytes -> 8 scales and 8 mins (6 bits each), 4 at a time */
+        const uint32_t w0 = rd32(blk + 4), w1 = rd32(blk + 8), w2 = rd32(blk + 12);
+        const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
+        const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
+        const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
+        const __m256i scb = _mm256_set1_epi64x((long long)(((uint64_t)sc_hi << 32) | sc_lo));
+        const __m256i mnb = _mm256_set1_epi64x((long long)(((uint64_t)mn_hi << 32) | mn_lo));
+        /* int16 lanes: mins each twice (madd with the 16 bsums gives m_j * (bs[2j] +
+         * bs[2j+1])), and every scale broadcast */
+        const __m256i mins = _mm256_shuffle_epi8(
+            mnb, _mm256_setr_epi8(0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3,
+                                  -128, 4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7,
+                                  -128, 7, -128));
         __m256i lo[4], hi[4], slo[4], shi[4];
         for (int k = 0; k < 4; k++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
             lo[k] = _mm256_and_si256(q, lowmask);
             hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), lowmask);
-            slo[k] = _mm256_set1_epi16((short)sc[2 * k]);
-            shi[k] = _mm256_set1_epi16((short)sc[2 * k + 1]);
+            slo[k] = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k))));
+            shi[k] = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))));
         }
         for (int r = 0; r < R; r++) {
             const xq256 *xb = xbase + r * nb + b;
@@ -575,9 +581,15 @@ q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
             q[4 * h + 3] = _mm256_or_si256(
                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                 _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m2), 4));
+            /* scales 8h .. 8h+7 as int16 in both lanes; chunk k takes 8h+2k (low lane)
+             * and 8h+2k+1 (high lane) */
+            const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)));
+            const __m256i both = _mm256_permute2x128_si256(s16, s16, 0x00);
             for (int k = 0; k < 4; k++) {
-                const int8_t *s = sc + 8 * h + 2 * k;
-                scv[4 * h + k] = _mm256_set_m128i(_mm_set1_epi16(s[1]), _mm_set1_epi16(s[0]));
+                const short lo16 = (short)(((4 * k + 1) << 8) | (4 * k));
+                const short hi16 = (short)(((4 * k + 3) << 8) | (4 * k + 2));
+                const __m256i idx = _mm256_set_m128i(_mm_set1_epi16(hi16), _mm_set1_epi16(lo16));
+                scv[4 * h + k] = _mm256_shuffle_epi8(both, idx);
             }
         }
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
@@ -622,10 +634,12 @@ static void cols_avx2(const job_t *jb, const part_t *p, int64_t c0, int64_t c1) 
     static const tile_fn q4k[4] = {q4k_r1, q4k_r2, q4k_r3, q4k_r4};
     static const tile_fn q6k[4] = {q6k_r1, q6k_r2, q6k_r3, q6k_r4};
     const tile_fn *fns = p->type == T_Q4_K ? q4k : (p->type == T_Q6_K ? q6k : legacy);
-    for (int64_t r0 = 0; r0 < jb->m; r0 += MAX_ROWS_TILE) {
-        int64_t R = jb->m - r0 < MAX_ROWS_TILE ? jb->m - r0 : MAX_ROWS_TILE;
-        tile_fn fn = fns[R - 1];
-        for (int64_t c = c0; c < c1; c++) fn(jb, p, r0, c);
+    /* column outer, row tiles inner: a column's blocks stay in L1 across the tiles */
+    for (int64_t c = c0; c < c1; c++) {
+        for (int64_t r0 = 0; r0 < jb->m; r0 += MAX_ROWS_TILE) {
+            int64_t R = jb->m - r0 < MAX_ROWS_TILE ? jb->m - r0 : MAX_ROWS_TILE;
+            fns[R - 1](jb, p, r0, c);
+        }
     }
 }
 #endif
