@@ -398,11 +398,14 @@ static void kquant_cols_portable(const job_t *jb, const part_t *p, int64_t c0, i
 #ifdef SPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/* The F16C conversion: exact, so bitwise the same as h2f. */
+AVX2 static inline float h2f_f16c(uint16_t h) { return _cvtsh_ss(h); }
+
 AVX2 static inline __m256i load_legacy_codes(int type, const uint8_t *blk, float *d, float *m) {
     const __m256i lowmask = _mm256_set1_epi8(0xF);
     __m256i q;
     *m = 0.0f;
-    *d = h2f(rd16(blk));
+    *d = h2f_f16c(rd16(blk));
     switch (type) {
     case T_Q4_0: {
         __m128i b = _mm_loadu_si128((const __m128i *)(blk + 2));
@@ -412,7 +415,7 @@ AVX2 static inline __m256i load_legacy_codes(int type, const uint8_t *blk, float
         break;
     }
     case T_Q4_1: {
-        *m = h2f(rd16(blk + 2));
+        *m = h2f_f16c(rd16(blk + 2));
         __m128i b = _mm_loadu_si128((const __m128i *)(blk + 4));
         q = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
         q = _mm256_and_si256(q, lowmask);
@@ -510,7 +513,7 @@ q4k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
     const xq256 *xbase = jb->x256 + r0 * nb;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 144;
-        const float d = h2f(rd16(blk)), dmin = h2f(rd16(blk + 2));
+        const float d = h2f_f16c(rd16(blk)), dmin = h2f_f16c(rd16(blk + 2));
         /* the 12 scale bytes -> 8 scales and 8 mins (6 bits each), 4 at a time */
         const uint32_t w0 = rd32(blk + 4), w1 = rd32(blk + 8), w2 = rd32(blk + 12);
         const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
@@ -563,7 +566,7 @@ q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = h2f(rd16(blk + 208));
+        const float d = h2f_f16c(rd16(blk + 208));
         __m256i q[8], scv[8];
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
