@@ -527,27 +527,30 @@ q4k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
             mnb, _mm256_setr_epi8(0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3,
                                   -128, 4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7,
                                   -128, 7, -128));
-        __m256i lo[4], hi[4], slo[4], shi[4];
+        /* one 64-value chunk at a time, every row of the tile: few live registers */
+        __m256i s[MAX_ROWS_TILE];
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
         for (int k = 0; k < 4; k++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
-            lo[k] = _mm256_and_si256(q, lowmask);
-            hi[k] = _mm256_and_si256(_mm256_srli_epi16(q, 4), lowmask);
-            slo[k] = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k))));
-            shi[k] = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
+            const __m256i lo = _mm256_and_si256(q, lowmask);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lowmask);
+            const __m256i slo = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k))));
+            const __m256i shi =
+                _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))));
+            for (int r = 0; r < R; r++) {
+                const xq256 *xb = xbase + r * nb + b;
+                __m256i xl = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k));
+                __m256i xh = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k + 32));
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), slo));
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), shi));
+            }
         }
         for (int r = 0; r < R; r++) {
             const xq256 *xb = xbase + r * nb + b;
-            __m256i s = _mm256_setzero_si256();
-            for (int k = 0; k < 4; k++) {
-                __m256i xl = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k));
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k + 32));
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(lo[k], xl), slo[k]));
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(hi[k], xh), shi[k]));
-            }
             __m256i bs = _mm256_loadu_si256((const __m256i *)xb->bsums);
             __m256i mm = _mm256_madd_epi16(bs, mins);
             __m256 f = _mm256_set1_ps(d * xb->d), fm = _mm256_set1_ps(dmin * xb->d);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(s)));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(s[r])));
             accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(fm, _mm256_cvtepi32_ps(mm)));
         }
     }
@@ -567,46 +570,43 @@ q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
         const uint8_t *blk = row + b * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = h2f_f16c(rd16(blk + 208));
-        __m256i q[8], scv[8];
+        /* one 32-value chunk at a time, every row of the tile: few live registers */
+        __m256i s[MAX_ROWS_TILE];
+        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
-            q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4),
-                                           _mm256_slli_epi16(_mm256_and_si256(hh, m2), 4));
-            q[4 * h + 1] = _mm256_or_si256(
-                _mm256_and_si256(l1, m4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m2), 4));
-            q[4 * h + 2] = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m2), 4));
-            q[4 * h + 3] = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m2), 4));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
             /* scales 8h .. 8h+7 as int16 in both lanes; chunk k takes 8h+2k (low lane)
              * and 8h+2k+1 (high lane) */
             const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)));
             const __m256i both = _mm256_permute2x128_si256(s16, s16, 0x00);
             for (int k = 0; k < 4; k++) {
+                const __m256i low = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(k & 1 ? l1 : l0, 4)
+                                                           : (k & 1 ? l1 : l0),
+                                                     m4);
+                const __m256i high =
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2 * k), m2), 4);
+                const __m256i q = _mm256_or_si256(low, high);
                 const short lo16 = (short)(((4 * k + 1) << 8) | (4 * k));
                 const short hi16 = (short)(((4 * k + 3) << 8) | (4 * k + 2));
                 const __m256i idx = _mm256_set_m128i(_mm_set1_epi16(hi16), _mm_set1_epi16(lo16));
-                scv[4 * h + k] = _mm256_shuffle_epi8(both, idx);
+                const __m256i scv = _mm256_shuffle_epi8(both, idx);
+                for (int r = 0; r < R; r++) {
+                    const xq256 *xb = xbase + r * nb + b;
+                    __m256i x = _mm256_loadu_si256((const __m256i *)(xb->q + 128 * h + 32 * k));
+                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scv));
+                }
             }
         }
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         for (int r = 0; r < R; r++) {
             const xq256 *xb = xbase + r * nb + b;
-            __m256i s = _mm256_setzero_si256();
-            for (int k = 0; k < 8; k++) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(xb->q + 32 * k));
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], x), scv[k]));
-            }
             __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
-            s = _mm256_sub_epi32(s, _mm256_slli_epi32(bs, 5));
+            __m256i st = _mm256_sub_epi32(s[r], _mm256_slli_epi32(bs, 5));
             __m256 f = _mm256_set1_ps(d * xb->d);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(s)));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(st)));
         }
     }
     for (int r = 0; r < R; r++) jb->y[(r0 + r) * jb->ldy + p->col0 + c] = hsum8_avx(acc[r]);
