@@ -1,0 +1,61 @@
+"""Attention pieces of the decoder: rotary tables, and scaled dot-product attention over
+a cache whose result does not depend on the key span (see `attend_values`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from speculant.cache import KEY_BLOCK
+
+
+def rope_tables(head_dim: int, theta: float, n_pos: int, scaling: float = 1.0) -> Tensor:
+    """cos/sin per position: [2, n_pos, head_dim] float32 (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos = torch.arange(n_pos, dtype=torch.float32) / scaling
+    freqs = torch.outer(pos, inv_freq)  # [n_pos, head_dim / 2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.stack([emb.cos(), emb.sin()])
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [1, heads, T, head_dim]; cos, sin: [T, head_dim] in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend_values(probs: Tensor, values: Tensor) -> Tensor:
+    """probs [b, M, span] @ values [b, span, hd] -> [b, M, hd], span a multiple of
+    KEY_BLOCK, computed so that the result does not depend on the span.
+
+    One matmul over the whole span picks its reduction blocking by the span's length,
+    so extending the span with masked (zero-probability) keys changed the last bits on
+    one project CPU (span 1088 vs 1152). Here every KEY_BLOCK of keys is its own small
+    matmul (one batched call) and the blocks are added in order in float32: blocks past
+    the query's keys add exact zeros, whatever the span."""
+    b, m, span = probs.shape
+    nb = span // KEY_BLOCK
+    parts = torch.matmul(
+        probs.view(b, m, nb, KEY_BLOCK).transpose(1, 2),  # [b, nb, M, block]
+        values.view(b, nb, KEY_BLOCK, values.shape[-1]),  # [b, nb, block, hd]
+    )  # [b, nb, M, hd]
+    out = parts[:, 0].float()
+    for i in range(1, nb):
+        out = out + parts[:, i].float()
+    return out.to(probs.dtype)
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q [1, nh, T, hd] against keys / values [1, nkv, span, hd] under mask [T, span]
+    -> [nh, T, hd]. Query heads are grouped under their kv head: no copy of the keys for
+    grouped-query attention."""
+    nh, t, hd = q.shape[1], q.shape[2], q.shape[3]
+    nkv = keys.shape[1]
+    rep = nh // nkv
+    qg = q[0].reshape(nkv, rep * t, hd)  # [nkv, rep*T, hd]
+    scores = torch.matmul(qg, keys[0].transpose(1, 2)) * scale  # [nkv, rep*T, span]
+    scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
+    probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
+    out = attend_values(probs, values[0])  # [nkv, rep*T, hd]
+    return out.view(nh, t, hd)
