@@ -119,18 +119,17 @@ Linear = Tensor | Int8Weight | Int4Weight | GGUFWeight
 
 def linear(x: Tensor, w: Linear, bias: Tensor | None = None) -> Tensor:
     """x: [T, in] -> [T, out]."""
+    if isinstance(w, Tensor):
+        return F.linear(x, w, bias)
     if isinstance(w, GGUFWeight):
         y = w.matrix.matmul(x)
-        return y if bias is None else y + bias
-    if isinstance(w, Int8Weight):
+    elif isinstance(w, Int8Weight):
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), w.q, w.scales)
-        return y if bias is None else y + bias
-    if isinstance(w, Int4Weight):
+    else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), w.packed, w.group, w.scales_zeros
         )
-        return y if bias is None else y + bias
-    return F.linear(x, w, bias)
+    return y if bias is None else y + bias
 
 
 def embed_rows(table: Tensor | GGUFWeight, ids: Tensor) -> Tensor:

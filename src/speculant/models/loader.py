@@ -323,12 +323,29 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     )
 
 
-def load_gguf(
-    path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
-) -> tuple[ModelConfig, Weights]:
+def _rope_heads(config: ModelConfig, name: str) -> int | None:
+    """Heads of a llama Q / K projection whose rows need `_unpermute_rope`, else None."""
+    if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+        return config.n_heads if "attn_q" in name else config.n_kv_heads
+    return None
+
+
+def _dequantized(index: GGUFIndex, config: ModelConfig, name: str) -> Tensor:
+    """Tensor `name` as float32 in our layout ([out, in], rotate-half Q / K rows)."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    info = index.tensors[name]
+    arr = dequantize(index.raw(name), GGMLQuantizationType(info.ggml_type))
+    shape = tuple(reversed(info.shape))  # gguf lists (in, out)
+    out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+    heads = _rope_heads(config, name)
+    return out if heads is None else _unpermute_rope(out, heads)
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
+) -> tuple[ModelConfig, Weights]:
     try:
         index = read_gguf(path)
     except GGUFError as exc:
@@ -337,15 +354,9 @@ def load_gguf(
     done = [0]
 
     def get(name: str) -> Tensor | None:
-        info = index.tensors.get(name)
-        if info is None:
+        if name not in index.tensors:
             return None
-        arr = dequantize(index.raw(name), GGMLQuantizationType(info.ggml_type))
-        shape = tuple(reversed(info.shape))  # gguf lists (in, out)
-        out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
-        if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.n_heads if "attn_q" in name else config.n_kv_heads
-            out = _unpermute_rope(out, heads)
+        out = _dequantized(index, config, name)
         done[0] += 1
         if progress is not None:
             progress(done[0], len(index.tensors))
@@ -361,9 +372,6 @@ def load_gguf_native(
     embedding table stay in their stored blocks (memory-mapped, nothing dequantized);
     norms and biases become float32. A projection in a format the kernels do not execute
     (F16, BF16, Q5_K, ...) is dequantized to float32 instead."""
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     from speculant.models.formats import GGUFWeight
     from speculant.native import SUPPORTED_TYPES, NativeMatrix, row_bytes
 
@@ -379,15 +387,6 @@ def load_gguf_native(
         if progress is not None:
             progress(done[0], len(index.tensors))
 
-    def dense(name: str) -> Tensor:
-        info = index.tensors[name]
-        arr = dequantize(index.raw(name), GGMLQuantizationType(info.ggml_type))
-        out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(tuple(reversed(info.shape)))
-        if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.n_heads if "attn_q" in name else config.n_kv_heads
-            out = _unpermute_rope(out, heads)
-        return out
-
     def stored(name: str) -> tuple[int, Tensor, int] | None:
         """(type, row bytes as uint8 [rows * row_bytes], rows), or None when the kernels
         cannot run this tensor's format."""
@@ -398,8 +397,8 @@ def load_gguf_native(
         with warnings.catch_warnings():  # read-only mapping: the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(np.asarray(index.raw(name)).view(np.uint8).reshape(n, -1))
-        if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.n_heads if "attn_q" in name else config.n_kv_heads
+        heads = _rope_heads(config, name)
+        if heads is not None:
             raw = _unpermute_rope(raw, heads).contiguous()  # whole rows move, blocks intact
         return info.ggml_type, raw.reshape(-1), n
 
@@ -414,7 +413,7 @@ def load_gguf_native(
         for _ in names:
             tick()
         if any(p is None for p in parts):
-            return torch.cat([dense(n) for n in names]).contiguous()
+            return torch.cat([_dequantized(index, config, n) for n in names]).contiguous()
         k = int(index.tensors[names[0]].shape[0])
         return GGUFWeight(NativeMatrix([p for p in parts if p is not None], k))
 
@@ -423,7 +422,7 @@ def load_gguf_native(
         if not wanted or name not in index.tensors:
             return None
         tick()
-        return dense(name).contiguous()
+        return _dequantized(index, config, name).contiguous()
 
     def need_vec(role: str, i: int | None = None) -> Tensor:
         t = vec(role, i)

@@ -203,7 +203,7 @@ def _load_path(
     tokenizer: Tokenizer | None
     if quant == "gguf":
         verified = registry.check_integrity(path, trust_unverified=trust, progress=progress)
-        config, weights = _load_gguf_with_progress(path, dtype, progress, name, native=True)
+        config, weights = load_gguf_native(path)  # memory-mapped: nothing to wait for
         tokenizer = Tokenizer.from_gguf(path)
     elif path.is_dir():
         verified = registry.check_folder_integrity(path, trust_unverified=trust, progress=progress)
@@ -243,10 +243,8 @@ def _load_path(
 
 
 def _load_gguf_with_progress(
-    path: Path, dtype: torch.dtype, progress: bool, name: str, native: bool = False
+    path: Path, dtype: torch.dtype, progress: bool, name: str
 ) -> tuple[ModelConfig, Weights]:
-    if native:
-        return load_gguf_native(path)  # memory-mapped: nothing to wait for
     if not progress:
         return load_gguf(path, dtype)
     from rich.console import Console
