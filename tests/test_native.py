@@ -153,6 +153,105 @@ def test_bad_shapes_and_types_are_named() -> None:
         native.set_path("avx9000")
 
 
+# ------------------------------------------------------------- attention and norms
+def _cache(nkv: int, rows: int, hd: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(nkv, rows, hd, generator=g), torch.randn(nkv, rows, hd, generator=g)
+
+
+def _attend64(q, keys, values, lo, hi, scale):  # type: ignore[no-untyped-def]
+    """float64 reference of native.attend."""
+    nh, t, _ = q.shape
+    rep = nh // keys.shape[0]
+    out = torch.zeros(nh, t, q.shape[2], dtype=torch.float64)
+    for h in range(nh):
+        for r in range(t):
+            k = keys[h // rep, lo[r] : hi[r]].double()
+            p = torch.softmax(k @ q[h, r].double() * scale, dim=0)
+            out[h, r] = p @ values[h // rep, lo[r] : hi[r]].double()
+    return out
+
+
+@pytest.mark.parametrize("hd", [8, 64, 128])
+def test_attention_within_float64_bound(hd: int, path: str) -> None:
+    nh, nkv, t, rows = 4, 2, 5, 200
+    keys, values = _cache(nkv, rows, hd, 1)
+    q = torch.randn(nh, t, hd, generator=torch.Generator().manual_seed(2))
+    hi = torch.tensor([3, 50, 51, 150, 200])
+    lo = torch.tensor([0, 0, 10, 100, 199])  # causal and sliding-window shapes
+    got = native.attend(q, keys, values, lo, hi, hd**-0.5)
+    want = _attend64(q, keys, values, lo, hi, hd**-0.5)
+    err = (got.double() - want).abs().max().item()
+    assert 0 < err < 1e-5, err  # float32 rounding, never exact by accident
+
+
+def test_attention_row_alone_equals_row_in_any_pass(path: str) -> None:
+    """A query row's result depends on its query and its visible keys only: not on the
+    other rows of the pass, the cache's size, the keys past its range or the threads."""
+    nh, nkv, hd = 6, 2, 64
+    keys, values = _cache(nkv, 2200, hd, 3)
+    q = torch.randn(nh, 16, hd, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(2000, 2016)
+    full = native.attend(q, keys, values, torch.zeros(16, dtype=torch.int64), pos + 1, 0.125)
+    for t in range(16):
+        alone = native.attend(
+            q[:, t : t + 1].contiguous(),
+            keys[:, : pos[t] + 1].contiguous(),  # a cache that ends at the row's key
+            values[:, : pos[t] + 1].contiguous(),
+            torch.zeros(1, dtype=torch.int64),
+            pos[t : t + 1] + 1,
+            0.125,
+            threads=1 + t % 3,
+        )
+        assert torch.equal(alone[:, 0], full[:, t]), t
+    changed = keys.clone()
+    changed[:, 2016:] = 1e6  # keys past every range: never read
+    again = native.attend(q, changed, values, torch.zeros(16, dtype=torch.int64), pos + 1, 0.125)
+    assert torch.equal(again, full)
+
+
+def test_attention_and_norm_paths_agree_bitwise() -> None:
+    if "avx2" not in native.paths():
+        pytest.skip("this CPU has only the portable path")
+    keys, values = _cache(2, 300, 128, 5)
+    q = torch.randn(8, 7, 128, generator=torch.Generator().manual_seed(6))
+    lo, hi = torch.zeros(7, dtype=torch.int64), torch.arange(290, 297)
+    x, w = torch.randn(9, 1536), torch.randn(1536)
+    out = {}
+    for name in ("portable", "avx2"):
+        native.set_path(name)
+        out[name] = (native.attend(q, keys, values, lo, hi, 0.09), native.rms_norm(x, w, 1e-6))
+    native.set_path("auto")
+    assert torch.equal(out["portable"][0], out["avx2"][0])
+    assert torch.equal(out["portable"][1], out["avx2"][1])
+
+
+def test_rms_norm_rows_alone_and_within_bound(path: str) -> None:
+    x, w = torch.randn(12, 896) * 3, torch.randn(896)
+    got = native.rms_norm(x, w, 1e-6)
+    x64 = x.double()
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    err = (got.double() - want).abs().max().item()
+    assert 0 < err < 1e-4, err
+    for r in range(12):
+        assert torch.equal(native.rms_norm(x[r : r + 1], w, 1e-6)[0], got[r])
+
+
+def test_attention_and_norm_bad_input_is_named() -> None:
+    keys, values = _cache(2, 10, 12, 0)
+    with pytest.raises(ValueError, match="8 \\| hd"):
+        native.attend(torch.zeros(4, 1, 12), keys, values, torch.tensor([0]), torch.tensor([1]), 1)
+    keys, values = _cache(2, 10, 16, 0)
+    with pytest.raises(ValueError, match="outside the cache's 10 rows"):
+        native.attend(torch.zeros(4, 1, 16), keys, values, torch.tensor([0]), torch.tensor([11]), 1)
+    with pytest.raises(ValueError, match="2 / 1 key ranges for 1 query rows"):
+        native.attend(
+            torch.zeros(4, 1, 16), keys, values, torch.tensor([0, 0]), torch.tensor([1]), 1
+        )
+    with pytest.raises(ValueError, match="rms_norm over 12 values"):
+        native.rms_norm(torch.zeros(2, 12), torch.zeros(12), 1e-6)
+
+
 # ------------------------------------------------------------------------ real models
 CODE = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
@@ -165,6 +264,7 @@ def test_gguf_dtype_on_real_models(name: str) -> None:
     path = real_model_path(name)
     model = load_model(path, dtype="gguf", progress=False)
     assert model.dtype_name == "gguf"
+    assert model.net.native_ops and model.net.row_padding == (1, 1)  # no calibration
     ids = model.tokenizer.encode(CODE)
     dense = load_model(path, dtype="float32", progress=False)
     got = model.forward(ids, model.new_cache(64), 0)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from speculant import native
 from speculant.cache import KVCache
 from speculant.models.attention import (  # noqa: F401 (re-exported)
     apply_rope,
@@ -155,6 +156,7 @@ class _TreePath:
     rows: int  # L padded like a chain of L tokens
     causal: Tensor  # [rows, span] bool
     window: Tensor  # [rows, span] bool
+    ranges: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # see _SegmentContext
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -193,23 +195,44 @@ class _SegmentContext:
     rope_full: Tensor  # [2, rows, head_dim]
     rope_local: Tensor  # [2, rows, head_dim]
     paths: list[_TreePath] | None = None  # a tree segment's chains
+    # the native attention's visible keys per row, [lo, hi): (causal lo, causal hi,
+    # sliding-window lo, sliding-window hi), each [rows] int64; None on the torch path
+    ranges: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x: [..., d] -> [..., d]; computed in float32, returned in x's dtype."""
+    if x.dtype == torch.float32 and not x.requires_grad and _native_rows(x.shape[-1]):
+        return native.rms_norm(x, weight, eps)  # each row on its own, by construction
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)
 
 
+def _native_rows(d: int) -> bool:
+    """Whether float32 norms and attention over rows of d values run natively."""
+    return d % 8 == 0 and native.available()
+
+
+def _uses_native(weights: Weights) -> bool:
+    return isinstance(weights.layers[0].wqkv, GGUFWeight) if weights.layers else False
+
+
 class Transformer:
-    """The decoder. `forward` is the only entry point; it writes the cache it is given."""
+    """The decoder. `forward` is the only entry point; it writes the cache it is given.
+
+    With GGUF weights on the native kernels (float32 activations), every reduction of a
+    pass is row-invariant by construction: the matmuls, the norms and attention (native
+    too) compute each row alone. Passes then run unpadded, and no calibration is needed."""
 
     def __init__(self, config: ModelConfig, weights: Weights, dtype: torch.dtype) -> None:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self._row_padding: Padding | None = None
+        self.native_ops = (
+            dtype == torch.float32 and _uses_native(weights) and _native_rows(config.head_dim)
+        )
+        self._row_padding: Padding | None = (1, 1) if self.native_ops else None
         n_pos = config.max_seq_len + 16
         self._rope_full = rope_tables(
             config.head_dim, config.rope_theta, n_pos, config.rope_scaling_factor
@@ -342,9 +365,26 @@ class Transformer:
         if seg.tree_parents is not None:
             return self._tree_context(seg, rows)
         q_pos = torch.arange(start, end)  # rotary positions = cache rows
-        causal, window = self._masks(q_pos, seg.cache.key_span(end))
         rope = slice(start, end)
+        if self.native_ops:
+            empty = torch.empty(0, dtype=torch.bool)
+            return _SegmentContext(
+                empty,
+                empty,
+                self._rope_full[:, rope],
+                self._rope_local[:, rope],
+                ranges=self._ranges(q_pos),
+            )
+        causal, window = self._masks(q_pos, seg.cache.key_span(end))
         return _SegmentContext(causal, window, self._rope_full[:, rope], self._rope_local[:, rope])
+
+    def _ranges(self, q_pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The keys [lo, hi) that queries at q_pos see: causal, then sliding-window."""
+        hi = q_pos + 1
+        lo = torch.zeros_like(q_pos)
+        window = self.config.sliding_window
+        lo_window = (q_pos - window + 1).clamp_min(0) if window else lo
+        return lo, hi, lo_window, hi
 
     def _masks(self, q_pos: Tensor, span: int) -> tuple[Tensor, Tensor]:
         """(causal, sliding-window) visibility [rows, span] of queries at q_pos."""
@@ -380,10 +420,14 @@ class Transformer:
             length = len(path)
             chain_rows = padded_rows(length, self.row_padding)
             end = seg.start + chain_rows
+            nodes, owned = torch.tensor(path), torch.tensor(own)
+            if self.native_ops:
+                e = torch.empty(0, dtype=torch.bool)
+                ranges = self._ranges(torch.arange(seg.start, end))
+                paths.append(_TreePath(nodes, owned, chain_rows, e, e, ranges))
+                continue
             causal, window = self._masks(torch.arange(seg.start, end), seg.cache.key_span(end))
-            paths.append(
-                _TreePath(torch.tensor(path), torch.tensor(own), chain_rows, causal, window)
-            )
+            paths.append(_TreePath(nodes, owned, chain_rows, causal, window))
         empty = torch.empty(0, dtype=torch.bool)
         return _SegmentContext(
             empty, empty, self._rope_full[:, q_pos], self._rope_local[:, q_pos], paths
@@ -417,7 +461,7 @@ class Transformer:
             k = apply_rope(k, cs[0], cs[1])
             if sc.paths is None:
                 seg.cache.write(layer, seg.start, k, v)
-                out = self._attend(q, seg.cache, layer, sc.window if sliding else sc.causal)
+                out = self._attend(q, seg.cache, layer, sliding, sc.window, sc.causal, sc.ranges)
             else:
                 seg.tree_kv.append((k[:, :, :n_real].clone(), v[:, :, :n_real].clone()))
                 out = q.new_zeros(nh, t, hd)
@@ -428,15 +472,29 @@ class Transformer:
                     if path.rows > length:  # the chain's padding rows
                         qp = torch.cat([qp, qp.new_zeros(1, nh, path.rows - length, hd)], dim=2)
                     res = self._attend(
-                        qp, seg.cache, layer, path.window if sliding else path.causal
+                        qp, seg.cache, layer, sliding, path.window, path.causal, path.ranges
                     )
                     out[:, path.nodes[path.own]] = res[:, path.own]
             outs.append(out.transpose(0, 1).reshape(t, nh * hd))
         return linear(torch.cat(outs) if len(outs) > 1 else outs[0], lw.wo)
 
-    def _attend(self, q: Tensor, cache: KVCache, layer: int, mask: Tensor) -> Tensor:
-        """q [1, nh, T, hd] against the cache's keys [0, span) under mask [T, span]
-        -> [nh, T, hd]."""
+    def _attend(
+        self,
+        q: Tensor,
+        cache: KVCache,
+        layer: int,
+        sliding: bool,
+        window: Tensor,
+        causal: Tensor,
+        ranges: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+    ) -> Tensor:
+        """q [1, nh, T, hd] against the cache's keys under the sliding-window or causal
+        mask [T, span] (torch), or the key ranges (native) -> [nh, T, hd]."""
+        if ranges is not None:
+            lo, hi = (ranges[2], ranges[3]) if sliding else (ranges[0], ranges[1])
+            keys, values = cache.k[layer, 0], cache.v[layer, 0]  # [nkv, rows, hd]
+            return native.attend(q[0].contiguous(), keys, values, lo, hi, self.config.scale)
+        mask = window if sliding else causal
         keys, values = cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
         return attend(q, keys, values, mask, self.config.scale)
 

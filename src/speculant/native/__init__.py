@@ -108,6 +108,11 @@ def _load() -> Any:
         ctypes.c_void_p,
     ]
     lib.spec_quantize_rows.restype = ctypes.c_int
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.spec_attend.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, ctypes.c_float, p, c_int]
+    lib.spec_attend.restype = c_int
+    lib.spec_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
+    lib.spec_rms_norm.restype = c_int
     _lib = lib
     return lib
 
@@ -267,6 +272,70 @@ def quantize_rows(x: Tensor, kquant: bool) -> tuple[Tensor, Tensor]:
     if lib.spec_quantize_rows(int(kquant), x.data_ptr(), k, m, codes.data_ptr(), scales.data_ptr()):
         raise ValueError(f"K={k} is not a multiple of {per}")
     return codes, scales
+
+
+def attend(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
+    threads: int | None = None,
+) -> Tensor:
+    """Attention of T query rows: q [nh, T, hd] float32 against one layer's cache, keys and
+    values [nkv, rows, hd]; query row t sees keys lo[t] .. hi[t]-1 (int64 [T]).
+    Returns [nh, T, hd]. A row's result depends only on its query and its visible keys:
+    not on T, the cache's length or the thread count (see kernels.c)."""
+    lib = _need()
+    nh, t, hd = q.shape
+    nkv, rows = keys.shape[0], keys.shape[1]
+    if keys.shape != values.shape or keys.shape[2] != hd or nh % nkv or hd % 8:
+        raise ValueError(
+            f"attention shapes q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
+            f"{tuple(values.shape)}: want [nh, T, hd], [nkv, rows, hd] with nkv | nh, 8 | hd"
+        )
+    for name, x in (("q", q), ("keys", keys), ("values", values)):
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32, not {x.dtype}")
+    lo = lo.to(torch.int64).contiguous()
+    hi = hi.to(torch.int64).contiguous()
+    if lo.numel() != t or hi.numel() != t:
+        raise ValueError(f"{lo.numel()} / {hi.numel()} key ranges for {t} query rows")
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    rc = lib.spec_attend(
+        q.data_ptr(),
+        t,
+        nh,
+        nkv,
+        hd,
+        keys.data_ptr(),
+        values.data_ptr(),
+        rows,
+        lo.data_ptr(),
+        hi.data_ptr(),
+        scale,
+        out.data_ptr(),
+        threads if threads is not None else THREADS,
+    )
+    if rc != 0:
+        raise ValueError(f"key ranges outside the cache's {rows} rows: lo {lo}, hi {hi}")
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., d] float32 -> x / sqrt(mean(x^2) + eps) * weight, each row on its own."""
+    lib = _need()
+    d = x.shape[-1]
+    if d % 8 or weight.shape != (d,):
+        raise ValueError(f"rms_norm over {d} values with a weight of {tuple(weight.shape)}")
+    xc = x.contiguous().float()
+    w = weight.float().contiguous()
+    y = torch.empty_like(xc)
+    lib.spec_rms_norm(xc.data_ptr(), w.data_ptr(), xc.numel() // d, d, eps, y.data_ptr())
+    return y
 
 
 def share_cores_with_torch() -> None:

@@ -292,6 +292,9 @@ typedef struct {
     int64_t chunk_cols;
     int64_t nchunks;
     int path;
+    /* a job other than a matmul (attention): chunk c runs task(ctx, c) */
+    void (*task)(const void *ctx, int64_t chunk);
+    const void *ctx;
 } job_t;
 
 /* ---------------------------------------------------------------- portable kernels */
@@ -673,6 +676,10 @@ static int resolve_path(void) {
 }
 
 static void run_chunk(const job_t *jb, int64_t chunk) {
+    if (jb->task) {
+        jb->task(jb->ctx, chunk);
+        return;
+    }
     /* chunk -> (part, column range) */
     int64_t first = chunk * jb->chunk_cols;
     int64_t last = first + jb->chunk_cols;
@@ -922,6 +929,129 @@ int spec_quantize_rows(int kquant, const float *x, int64_t K, int64_t m, int8_t 
         for (int64_t b = 0; b < K / per; b++)
             quantize_block(x + r * K + b * per, per, &scales[r * (K / per) + b],
                            codes + r * K + b * per);
+    return 0;
+}
+
+
+/* ------------------------------------------------- attention and RMS norm (float32) */
+/* Both reduce in a fixed order that depends on nothing but the row itself: 8 lanes
+ * (lane l takes elements l, l+8, ...), added as hsum8; keys visited in ascending order.
+ * A query row's result is therefore the same whatever else shares the pass, however long
+ * the key span, and on either path (the AVX2 code does the same float operations, with
+ * no fused multiply-add). */
+static float dot8_portable(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    for (int64_t i = 0; i < n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+    return hsum8(acc);
+}
+
+/* y[i] += p * v[i] */
+static void axpy_portable(float *y, float p, const float *v, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = y[i] + p * v[i];
+}
+
+#ifdef SPEC_X86
+AVX2 static float dot8_avx2(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    return hsum8_avx(acc);
+}
+
+AVX2 static void axpy_avx2(float *y, float p, const float *v, int64_t n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(
+            y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_mul_ps(pv, _mm256_loadu_ps(v + i))));
+}
+#endif
+
+typedef struct {
+    const float *q, *k, *v;
+    float *out;
+    int64_t T, nh, nkv, hd, rows;
+    const int64_t *lo, *hi;
+    float scale;
+    int path;
+} attn_t;
+
+/* One (query head, query row) pair: chunk = h * T + t. */
+static void attend_one(const void *ctx, int64_t chunk) {
+    const attn_t *a = ctx;
+    const int64_t h = chunk / a->T, t = chunk % a->T;
+    const int64_t g = h / (a->nh / a->nkv);
+    const float *q = a->q + (h * a->T + t) * a->hd;
+    const float *keys = a->k + g * a->rows * a->hd, *vals = a->v + g * a->rows * a->hd;
+    float *o = a->out + (h * a->T + t) * a->hd;
+    const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
+    float (*dot)(const float *, const float *, int64_t) = dot8_portable;
+    void (*axpy)(float *, float, const float *, int64_t) = axpy_portable;
+#ifdef SPEC_X86
+    if (a->path == PATH_AVX2) {
+        dot = dot8_avx2;
+        axpy = axpy_avx2;
+    }
+#endif
+    for (int64_t i = 0; i < a->hd; i++) o[i] = 0.0f;
+    if (n <= 0) return;
+    float stack[1024];
+    float *s = n <= 1024 ? stack : malloc(sizeof(float) * (size_t)n);
+    if (!s) return; /* out of memory: zeros (the caller checked sizes) */
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = dot(q, keys + (lo + j) * a->hd, a->hd) * a->scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = expf(s[j] - mx);
+        sum = sum + s[j];
+    }
+    for (int64_t j = 0; j < n; j++) axpy(o, s[j], vals + (lo + j) * a->hd, a->hd);
+    for (int64_t i = 0; i < a->hd; i++) o[i] = o[i] / sum;
+    if (s != stack) free(s);
+}
+
+/* Attention of T query rows: q [nh][T][hd]; k, v [nkv][rows][hd] (one layer's cache);
+ * query row t sees keys [lo[t], hi[t]). out [nh][T][hd]. Returns 0, or -1 for a shape
+ * it does not take (hd not a multiple of 8, nh not a multiple of nkv, a range past rows). */
+int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float *k,
+                const float *v, int64_t rows, const int64_t *lo, const int64_t *hi, float scale,
+                float *out, int nthreads) {
+    if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (lo[t] < 0 || hi[t] > rows) return -1;
+    attn_t a = {q, k, v, out, T, nh, nkv, hd, rows, lo, hi, scale, resolve_path()};
+    if (a.path < 0) a.path = PATH_PORTABLE;
+    job_t jb;
+    memset(&jb, 0, sizeof jb);
+    jb.task = attend_one;
+    jb.ctx = &a;
+    jb.nchunks = nh * T;
+    /* split only when there is enough work to pay for waking the workers */
+    int64_t work = nh * T * (hi[T - 1] - lo[T - 1]) * hd;
+    pool_run(&jb, work >= (1 << 18) ? nthreads : 1);
+    return 0;
+}
+
+/* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of d values (d a multiple of 8). */
+int spec_rms_norm(const float *x, const float *w, int64_t m, int64_t d, float eps, float *y) {
+    if (d <= 0 || d % 8) return -1;
+    int path = resolve_path();
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * d;
+        float *yr = y + r * d;
+        float ss;
+#ifdef SPEC_X86
+        if (path == PATH_AVX2)
+            ss = dot8_avx2(xr, xr, d);
+        else
+#endif
+            ss = dot8_portable(xr, xr, d);
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) yr[i] = (xr[i] * inv) * w[i];
+    }
     return 0;
 }
 
