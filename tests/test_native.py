@@ -282,6 +282,27 @@ def test_gguf_dtype_on_real_models(name: str) -> None:
 
 
 @pytest.mark.real
+def test_gguf_tree_nodes_equal_their_chains() -> None:
+    """A chain runs through the fused native attention block, a tree's paths through
+    torch rotary + native attention: every tree node's logits equal its path's chain."""
+    model = load_model(real_model_path("smollm2-135m-instruct"), dtype="gguf", progress=False)
+    ids = model.tokenizer.encode(CODE)
+    cache = model.new_cache(96)
+    model.prefill(ids, cache)
+    start = len(ids)
+    nodes = torch.tensor([11, 22, 33, 44, 55, 66])
+    parents = [-1, 0, 1, 0, 3, 2]  # paths 0-1-2-5 and 0-3-4
+    from speculant.models.decoder import Segment
+
+    logits, _ = model.net.forward_batch([Segment(nodes, cache, start, tree_parents=parents)])
+    assert logits is not None
+    for path in ([0, 1, 2, 5], [0, 3, 4]):
+        chain = model.forward(nodes[path].tolist(), cache, start)
+        for j, node in enumerate(path):
+            assert torch.equal(logits[0][node], chain[j]), (path, node)
+
+
+@pytest.mark.real
 def test_missing_kernels_fall_back_to_int8_with_one_line() -> None:
     path = real_model_path("smollm2-135m-instruct")
     code = (

@@ -51,13 +51,17 @@ class KVCache:
     def write(self, layer: int, start: int, k_new: Tensor, v_new: Tensor) -> None:
         """k_new, v_new: [1, n_kv_heads, t, head_dim] for positions start .. start+t-1."""
         t = k_new.shape[2]
+        self.check_rows(start, t)
+        self.k[layer, :, :, start : start + t] = k_new
+        self.v[layer, :, :, start : start + t] = v_new
+
+    def check_rows(self, start: int, t: int) -> None:
+        """Raise CacheFullError unless rows start .. start+t-1 exist."""
         if start + t > self.rows:
             raise CacheFullError(
                 f"writing positions {start}..{start + t - 1} exceeds the cache capacity "
                 f"{self.capacity}"
             )
-        self.k[layer, :, :, start : start + t] = k_new
-        self.v[layer, :, :, start : start + t] = v_new
 
     def key_span(self, end: int) -> int:
         """How many positions attention reads to see [0, end): end rounded up to a block."""

@@ -449,6 +449,28 @@ class Transformer:
         qkv = linear(x, lw.wqkv, lw.bqkv)  # [sum rows, (nh + 2 nkv) hd]
         outs = []
         for seg, (o, t, n_real), sc in zip(segments, spans, ctx, strict=True):
+            cs = sc.rope_local if sliding else sc.rope_full
+            if sc.ranges is not None and sc.paths is None and lw.q_norm is None:
+                # one native call: rotary, cache write and attention of a chain (the
+                # same float operations as the torch lines below, so bitwise the same)
+                lo, hi = (sc.ranges[2], sc.ranges[3]) if sliding else sc.ranges[:2]
+                cache = seg.cache
+                cache.check_rows(seg.start, t)
+                outs.append(
+                    native.rope_attend(
+                        qkv[o : o + t],
+                        (nh, nkv, hd),
+                        cs[0],
+                        cs[1],
+                        cache.k[layer, 0],
+                        cache.v[layer, 0],
+                        seg.start,
+                        lo,
+                        hi,
+                        c.scale,
+                    )
+                )
+                continue
             q, k, v = qkv[o : o + t].split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q = q.view(t, nh, hd).transpose(0, 1)[None]  # [1, nh, T, hd]
             k = k.view(t, nkv, hd).transpose(0, 1)[None]  # [1, nkv, T, hd]
@@ -456,7 +478,6 @@ class Transformer:
             if lw.q_norm is not None and lw.k_norm is not None:
                 q = rms_norm(q, lw.q_norm, c.norm_eps)
                 k = rms_norm(k, lw.k_norm, c.norm_eps)
-            cs = sc.rope_local if sliding else sc.rope_full
             q = apply_rope(q, cs[0], cs[1])
             k = apply_rope(k, cs[0], cs[1])
             if sc.paths is None:

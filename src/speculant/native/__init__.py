@@ -111,6 +111,9 @@ def _load() -> Any:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.spec_attend.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, ctypes.c_float, p, c_int]
     lib.spec_attend.restype = c_int
+    lib.spec_rope_attend.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, i64, i64, p, p]
+    lib.spec_rope_attend.argtypes += [ctypes.c_float, p, c_int]
+    lib.spec_rope_attend.restype = c_int
     lib.spec_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
     lib.spec_rms_norm.restype = c_int
     _lib = lib
@@ -322,6 +325,65 @@ def attend(
     )
     if rc != 0:
         raise ValueError(f"key ranges outside the cache's {rows} rows: lo {lo}, hi {hi}")
+    return out
+
+
+def rope_attend(
+    qkv: Tensor,
+    heads: tuple[int, int, int],
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    start: int,
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
+    threads: int | None = None,
+) -> Tensor:
+    """One chain's attention block in one call: qkv [T, (nh + 2 nkv) hd] (the fused
+    projection's rows), heads = (nh, nkv, hd), cos / sin [T, hd] of the rows' positions.
+    Writes the rotated keys and the values into the cache rows start .. start+T-1 of
+    keys / values [nkv, rows, hd], then attends as `attend`. Returns [T, nh * hd]."""
+    lib = _need()
+    nh, nkv, hd = heads
+    t = qkv.shape[0]
+    rows = keys.shape[1]
+    tensors = (("qkv", qkv), ("cos", cos), ("sin", sin), ("keys", keys), ("values", values))
+    for name, x in tensors:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32, not {x.dtype}")
+    if cos.shape != (t, hd) or sin.shape != (t, hd) or keys.shape != (nkv, rows, hd):
+        raise ValueError(f"rotary tables {tuple(cos.shape)} / cache {tuple(keys.shape)}")
+    lo = lo.to(torch.int64).contiguous()
+    hi = hi.to(torch.int64).contiguous()
+    out = torch.empty(t, nh * hd, dtype=torch.float32)
+    if t == 0:
+        return out
+    rc = lib.spec_rope_attend(
+        qkv.data_ptr(),
+        t,
+        qkv.shape[1],
+        nh,
+        nkv,
+        hd,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        rows,
+        start,
+        lo.data_ptr(),
+        hi.data_ptr(),
+        scale,
+        out.data_ptr(),
+        threads if threads is not None else THREADS,
+    )
+    if rc != 0:
+        raise ValueError(
+            f"attention block rejected (code {rc}): qkv {tuple(qkv.shape)}, heads {heads}, "
+            f"rows {start}..{start + t} of a {rows}-row cache, key ranges {lo} .. {hi}"
+        )
     return out
 
 

@@ -971,6 +971,7 @@ typedef struct {
     const float *q, *k, *v;
     float *out;
     int64_t T, nh, nkv, hd, rows;
+    int64_t q_t, q_h, o_t, o_h; /* strides of a query / output row and head */
     const int64_t *lo, *hi;
     float scale;
     int path;
@@ -981,9 +982,9 @@ static void attend_one(const void *ctx, int64_t chunk) {
     const attn_t *a = ctx;
     const int64_t h = chunk / a->T, t = chunk % a->T;
     const int64_t g = h / (a->nh / a->nkv);
-    const float *q = a->q + (h * a->T + t) * a->hd;
+    const float *q = a->q + t * a->q_t + h * a->q_h;
     const float *keys = a->k + g * a->rows * a->hd, *vals = a->v + g * a->rows * a->hd;
-    float *o = a->out + (h * a->T + t) * a->hd;
+    float *o = a->out + t * a->o_t + h * a->o_h;
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
     float (*dot)(const float *, const float *, int64_t) = dot8_portable;
     void (*axpy)(float *, float, const float *, int64_t) = axpy_portable;
@@ -1016,22 +1017,71 @@ static void attend_one(const void *ctx, int64_t chunk) {
 /* Attention of T query rows: q [nh][T][hd]; k, v [nkv][rows][hd] (one layer's cache);
  * query row t sees keys [lo[t], hi[t]). out [nh][T][hd]. Returns 0, or -1 for a shape
  * it does not take (hd not a multiple of 8, nh not a multiple of nkv, a range past rows). */
-int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float *k,
-                const float *v, int64_t rows, const int64_t *lo, const int64_t *hi, float scale,
-                float *out, int nthreads) {
-    if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv) return -1;
-    for (int64_t t = 0; t < T; t++)
-        if (lo[t] < 0 || hi[t] > rows) return -1;
-    attn_t a = {q, k, v, out, T, nh, nkv, hd, rows, lo, hi, scale, resolve_path()};
-    if (a.path < 0) a.path = PATH_PORTABLE;
+static void run_attention(attn_t *a, int nthreads) {
+    if (a->path < 0) a->path = PATH_PORTABLE;
+    const int64_t T = a->T, nh = a->nh, hd = a->hd;
+    const int64_t *lo = a->lo, *hi = a->hi;
     job_t jb;
     memset(&jb, 0, sizeof jb);
     jb.task = attend_one;
-    jb.ctx = &a;
+    jb.ctx = a;
     jb.nchunks = nh * T;
     /* split only when there is enough work to pay for waking the workers */
     int64_t work = nh * T * (hi[T - 1] - lo[T - 1]) * hd;
     pool_run(&jb, work >= (1 << 18) ? nthreads : 1);
+}
+
+static int ranges_ok(int64_t T, const int64_t *lo, const int64_t *hi, int64_t rows) {
+    for (int64_t t = 0; t < T; t++)
+        if (lo[t] < 0 || hi[t] > rows) return 0;
+    return 1;
+}
+
+int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float *k,
+                const float *v, int64_t rows, const int64_t *lo, const int64_t *hi, float scale,
+                float *out, int nthreads) {
+    if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || !ranges_ok(T, lo, hi, rows)) return -1;
+    attn_t a = {q, k, v, out, T, nh, nkv, hd, rows, hd, T * hd, hd, T * hd, lo, hi, scale,
+                resolve_path()};
+    run_attention(&a, nthreads);
+    return 0;
+}
+
+/* Rotary embedding (rotate-half layout) of one head: the same float operations as the
+ * decoder's torch code (x * cos + rotated * sin, elementwise), so bitwise the same. */
+static void rope_head(const float *x, const float *cos, const float *sin, int64_t hd, float *y) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < half; i++) {
+        y[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+        y[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    }
+}
+
+/* A chain's attention block after the fused q/k/v projection: qkv [T][ld] (q heads, then
+ * k heads, then v heads), cos / sin [T][hd] for its positions; writes the roped keys and
+ * the values to cache rows start .. start+T-1 of kc / vc [nkv][rows][hd], then attends
+ * (query row t sees keys [lo[t], hi[t])) into out [T][nh * hd]. */
+int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_t nkv, int64_t hd,
+                     const float *cos, const float *sin, float *kc, float *vc, int64_t rows,
+                     int64_t start, const int64_t *lo, const int64_t *hi, float scale,
+                     float *out, int nthreads) {
+    if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || ld < (nh + 2 * nkv) * hd) return -1;
+    if (start < 0 || start + T > rows || !ranges_ok(T, lo, hi, rows)) return -1;
+    float *qr = malloc(sizeof(float) * (size_t)(T * nh * hd));
+    if (!qr) return -4;
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * ld, *c = cos + t * hd, *s = sin + t * hd;
+        for (int64_t h = 0; h < nh; h++) rope_head(row + h * hd, c, s, hd, qr + (t * nh + h) * hd);
+        for (int64_t g = 0; g < nkv; g++) {
+            float *kd = kc + (g * rows + start + t) * hd, *vd = vc + (g * rows + start + t) * hd;
+            rope_head(row + (nh + g) * hd, c, s, hd, kd);
+            memcpy(vd, row + (nh + nkv + g) * hd, sizeof(float) * (size_t)hd);
+        }
+    }
+    attn_t a = {qr, kc, vc, out, T, nh, nkv, hd, rows, nh * hd, hd, nh * hd, hd, lo, hi, scale,
+                resolve_path()};
+    run_attention(&a, nthreads);
+    free(qr);
     return 0;
 }
 
