@@ -303,6 +303,22 @@ def test_gguf_tree_nodes_equal_their_chains() -> None:
 
 
 @pytest.mark.real
+def test_auto_dtype_is_the_native_path_for_gguf_files(capsys) -> None:  # type: ignore[no-untyped-def]
+    from speculant.cli import main
+
+    path = real_model_path("smollm2-135m-instruct")
+    assert load_model(path, dtype="auto", progress=False).dtype_name == "gguf"
+    with pytest.raises(ValueError, match="auto_fallback='auto': use one of bfloat16"):
+        load_model(path, dtype="auto", auto_fallback="auto")
+    argv = ["generate", "x", "--target", "smollm2-135m-instruct", "--method", "none"]
+    assert main([*argv, "--max-tokens", "2", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    assert f"gguf, native {native.active_path()} kernels" in err, err
+    assert main(["models", "list"]) == 0
+    assert "runs each file's quantized blocks on the native" in capsys.readouterr().out
+
+
+@pytest.mark.real
 def test_missing_kernels_fall_back_to_int8_with_one_line() -> None:
     path = real_model_path("smollm2-135m-instruct")
     code = (

@@ -44,3 +44,29 @@ def port(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"{value} is out of range: use 1..65535")
     return value
+
+
+# The weight / activation formats the command lines offer (models.model.DTYPE_NAMES plus
+# "auto"); kept here so that building a parser does not import torch.
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "int8", "int4", "gguf")
+
+
+def add_dtype_args(parser: argparse.ArgumentParser) -> None:
+    """--dtype / --draft-dtype, both "auto" by default: a .gguf file's own quantized blocks
+    on the native kernels (speculant.native), else bfloat16 (target) / int8 (draft)."""
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="target weights: auto (default) = gguf for a .gguf model (the file's own "
+        "quantized blocks run as stored by the native kernels; int8 through PyTorch if they "
+        "are missing), bfloat16 for a Hugging Face folder; int8 / int4 = weight-only "
+        "formats with bfloat16 activations",
+    )
+    parser.add_argument(
+        "--draft-dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="draft weights: auto (default) = gguf for a .gguf model, int8 for a folder; a "
+        "lower-precision draft stays lossless, since verification filters its errors",
+    )

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
-from speculant.argtypes import k_value
+from speculant.argtypes import add_dtype_args, k_value
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -142,20 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop when TEXT appears (repeatable)",
     )
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    gen.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float32", "int8", "int4", "gguf"],
-        help="target dtype (int8: weight-only int8 with bfloat16 activations; gguf: the "
-        "file's own quantized blocks run as stored by the native kernels)",
-    )
-    gen.add_argument(
-        "--draft-dtype",
-        default="int8",
-        choices=["bfloat16", "float32", "int8", "int4", "gguf"],
-        help="draft dtype; a lower-precision draft stays lossless, since "
-        "verification filters its errors",
-    )
+    add_dtype_args(gen)
     gen.add_argument(
         "--chat",
         action="store_true",
@@ -261,10 +248,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from speculant import Engine, SamplingParams, load_model
 
-    if args.threads is None and "gguf" in (args.dtype, args.draft_dtype):
-        from speculant import native
-
-        native.share_cores_with_torch()
     if args.threads is not None:
         if args.threads < 1:
             raise CliError(f"--threads={args.threads} is out of range: use >= 1")
@@ -285,8 +268,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft = None
     if args.method == "draft":
         draft = load_model(
-            args.draft, dtype=args.draft_dtype, progress=progress, trust_unverified=trust
+            args.draft,
+            dtype=args.draft_dtype,
+            progress=progress,
+            trust_unverified=trust,
+            auto_fallback="int8",
         )
+    if args.threads is None:
+        from speculant import native
+
+        native.share_cores_if_native(target, draft)
     engine = Engine(
         target,
         draft=draft,
@@ -365,6 +356,18 @@ def cmd_models_list(args: argparse.Namespace) -> int:
             m["description"],
             f"{m['size'] / 1e6:,.0f} MB",
             "yes" if m["pulled"] else "no",
+        )
+    from speculant import native
+
+    if native.available():
+        table.caption = (
+            f"--dtype auto (the default) runs each file's quantized blocks on the native "
+            f"{native.active_path()} kernels ({', '.join(native.SUPPORTED_TYPES.values())})"
+        )
+    else:
+        table.caption = (
+            f"native kernels unavailable ({native.why_missing()}): --dtype auto loads "
+            "int8 weights through PyTorch"
         )
     Console().print(table)
     return 0

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speculant.argtypes import positive_int
+from speculant.argtypes import add_dtype_args, positive_int
 from speculant.bench.measure import DEFAULT_WATTS_PER_CORE
 from speculant.bench.peers import PEER_GROUPS, PEER_NAMES
 from speculant.bench.workloads import WORKLOAD_NAMES
@@ -121,12 +121,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
-    p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
-    )
-    p.add_argument(
-        "--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
-    )
+    add_dtype_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--out", type=Path, default=Path("bench-out/bench"), help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -184,10 +179,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from speculant.bench.runner import BenchConfig, parse_methods, run_bench
     from speculant.models.model import load_model
 
-    if args.threads is None and "gguf" in (args.dtype, args.draft_dtype):
-        from speculant import native
-
-        native.share_cores_with_torch()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     specs = parse_methods(args.methods, args.k)  # fail on a bad spec before loading models
@@ -199,7 +190,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = load_model(args.target, dtype=args.dtype, trust_unverified=trust)
     draft = None
     if needs_draft:
-        draft = load_model(args.draft, dtype=args.draft_dtype, trust_unverified=trust)
+        draft = load_model(
+            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
+        )
+    if args.threads is None:
+        from speculant import native
+
+        native.share_cores_if_native(target, draft)
     config = BenchConfig(
         workloads=args.workloads,
         methods=args.methods,

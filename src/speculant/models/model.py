@@ -143,6 +143,8 @@ def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, str | None]:
         raise ValueError(f"dtype {dtype} is not supported: use one of {', '.join(DTYPE_NAMES)}")
     if dtype in QUANTIZED:
         return QUANTIZED[dtype], dtype
+    if dtype == "auto":
+        return torch.float32, "auto"  # resolved against the source in load_model
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported: use one of {', '.join(DTYPE_NAMES)}")
     return DTYPES[dtype], None
@@ -153,19 +155,28 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     progress: bool = True,
     trust_unverified: bool = False,
+    auto_fallback: str = "bfloat16",
 ) -> Model:
     """Load a registry name (pulled on first use), a .gguf file or a Hugging Face folder.
+
+    dtype "auto" is "gguf" for a .gguf source and `auto_fallback` for a folder.
 
     A GGUF file that the registry or a manifest.json beside it vouches for is checked
     against that SHA-256 before loading; a mismatch is refused unless trust_unverified."""
     torch_dtype, quant = parse_dtype(dtype)
+    if auto_fallback not in DTYPE_NAMES:
+        raise ValueError(f"auto_fallback={auto_fallback!r}: use one of {', '.join(DTYPE_NAMES)}")
     path = Path(name_or_path).expanduser()
     if path.exists():
-        return _load_path(path, torch_dtype, quant, progress, path.name, trust_unverified)
+        return _load_path(
+            path, torch_dtype, quant, progress, path.name, trust_unverified, auto_fallback
+        )
     text = str(name_or_path)
     if text in registry.KNOWN_MODELS:
         gguf_path = registry.pull(text, progress=progress)
-        return _load_path(gguf_path, torch_dtype, quant, progress, text, trust_unverified)
+        return _load_path(
+            gguf_path, torch_dtype, quant, progress, text, trust_unverified, auto_fallback
+        )
     if text.endswith(".gguf") or "/" in text or text.startswith("."):
         raise ModelLoadError(f"model file or folder {text!r} does not exist")
     known = ", ".join(sorted(registry.KNOWN_MODELS))
@@ -176,13 +187,21 @@ def load_model(
 
 
 def _load_path(
-    path: Path, dtype: torch.dtype, quant: str | None, progress: bool, name: str, trust: bool
+    path: Path,
+    dtype: torch.dtype,
+    quant: str | None,
+    progress: bool,
+    name: str,
+    trust: bool,
+    auto_fallback: str = "bfloat16",
 ) -> Model:
     t0 = time.perf_counter()
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:
             path = ggufs[0]
+    if quant == "auto":
+        dtype, quant = parse_dtype("gguf" if path.suffix == ".gguf" else auto_fallback)
     kernels = ""
     if quant == "gguf":
         if path.suffix != ".gguf":

@@ -408,3 +408,10 @@ def share_cores_with_torch() -> None:
     Called by the CLIs when a gguf model is used and --threads is not given."""
     if available():
         torch.set_num_threads(1)
+
+
+def share_cores_if_native(*models: Any) -> None:
+    """`share_cores_with_torch` when any of the loaded models (None skipped) runs GGUF
+    weights natively; the command lines call it when --threads is not given."""
+    if any(m is not None and m.dtype_name == "gguf" for m in models):
+        share_cores_with_torch()

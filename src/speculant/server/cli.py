@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from speculant.argtypes import k_value, port, positive_int
+from speculant.argtypes import add_dtype_args, k_value, port, positive_int
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
@@ -84,12 +84,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name", default=None, help="model id in the API (default --model)"
     )
-    p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
-    )
-    p.add_argument(
-        "--draft-dtype", default="int8", choices=["bfloat16", "float32", "int8", "int4", "gguf"]
-    )
+    add_dtype_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument(
         "--stream-cadence-ms",
@@ -120,10 +115,6 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     from speculant.server.app import create_app
     from speculant.server.async_engine import AsyncEngine
 
-    if args.threads is None and "gguf" in (args.dtype, args.draft_dtype):
-        from speculant import native
-
-        native.share_cores_with_torch()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     method = args.speculative_method or ("draft" if args.speculative_model else "none")
@@ -133,7 +124,16 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     target = load_model(args.model, dtype=args.dtype, trust_unverified=trust)
     draft = None
     if method == "draft":
-        draft = load_model(args.speculative_model, dtype=args.draft_dtype, trust_unverified=trust)
+        draft = load_model(
+            args.speculative_model,
+            dtype=args.draft_dtype,
+            trust_unverified=trust,
+            auto_fallback="int8",
+        )
+    if args.threads is None:
+        from speculant import native
+
+        native.share_cores_if_native(target, draft)
     engine = Engine(
         target,
         draft=draft,
