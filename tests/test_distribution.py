@@ -177,3 +177,18 @@ def test_int4_draft_samples_follow_target(tiny_root) -> None:  # type: ignore[no
     assert not rejected, f"samples do not follow the target: chi2={stat:.1f} > {crit:.1f}"
     rejected, stat, crit = chi2_rejects(counts, exact_two_token(draft, prompt, params), n)
     assert rejected, f"test has no power: draft distribution not rejected (chi2={stat:.1f})"
+
+
+def test_a_draft_with_zero_q_is_refused() -> None:
+    """u * q < p would accept a token the draft could not have sampled (q = 0) whenever
+    p > 0, silently leaving the target's distribution: it is an error, chain and tree."""
+    from speculant.rejection import verify_tree
+
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="draft token 1 at draft position 0 has probability 0"):
+        verify_chain([1], q, p, g)
+    with pytest.raises(ValueError, match="draft token 1 at draft position 0 has probability 0"):
+        verify_tree([1], [-1], p, g, q_nodes=q)
+    assert verify_chain([0], q, p, g).token_ids[0] in (0, 1)  # q > 0: the rule as before

@@ -64,7 +64,8 @@ def verify_chain(
     else:
         q_rows = _pad_vocab(q_draft.float(), vocab)  # [k, vocab]
         q_at = q_rows.gather(-1, drafts[:, None]).squeeze(-1)  # [k]
-    # u < p/q  <=>  u * q < p; a draft with q(x) = 0 cannot have been sampled.
+        _check_sampled(draft_ids, q_at)
+    # u < p/q  <=>  u * q < p (q > 0, checked above)
     u = torch.rand(k, generator=generator)  # [k]
     accepted = (u * q_at < p_at).tolist()
     n = 0
@@ -84,6 +85,19 @@ def verify_chain(
         total = residual.sum()
     fix = sample((residual / total)[None], generator)
     return Verdict(n, kept + [int(fix[0])])
+
+
+def _check_sampled(draft_ids: Sequence[int], q_at: Tensor) -> None:
+    """A draft token must have q > 0 under the distribution it was drawn from: u * q < p
+    would otherwise accept it whenever p > 0, and the output would no longer follow p."""
+    zero = (q_at <= 0).nonzero().reshape(-1)
+    if zero.numel():
+        i = int(zero[0])
+        raise ValueError(
+            f"draft token {int(draft_ids[i])} at draft position {i} has probability "
+            f"{float(q_at[i])} under the q it was reported as sampled from: a proposer "
+            "must sample its drafts from exactly the q it returns"
+        )
 
 
 def _pad_vocab(q: Tensor, vocab: int) -> Tensor:
@@ -168,6 +182,7 @@ def verify_tree(
                 p[x] = 0.0
             else:
                 q = q_rows[child]
+                _check_sampled([x], q[x : x + 1])
                 if float(torch.rand(1, generator=generator)) * float(q[x]) * total < float(p[x]):
                     accepted = child
                     break
