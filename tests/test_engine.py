@@ -156,3 +156,24 @@ def test_stream_chunks_add_up(tiny_root) -> None:  # type: ignore[no-untyped-def
     assert stream.result is not None
     assert ids == stream.result.token_ids == plain_greedy(target, PROMPT, 25)
     assert torch.tensor(ids).numel() == 25
+
+
+def test_stop_string_completed_by_a_long_token_is_found() -> None:
+    """A stop string that starts in earlier text and ends early in a long token (code
+    tokenizers have tokens of 30+ spaces) is found, and the text is cut before it."""
+    from types import SimpleNamespace
+
+    from speculant.scheduler import TextTracker
+
+    pieces = {0: "x = 1\nEN", 1: "D!" + " " * 60, 2: "more"}
+
+    class Pieces:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(pieces[i] for i in ids)
+
+    model = SimpleNamespace(tokenizer=Pieces())
+    tracker = TextTracker(model, ("END!",))  # type: ignore[arg-type]
+    assert not tracker.push(2)
+    assert not tracker.push(0)
+    assert tracker.push(1)
+    assert tracker.final_text() == "morex = 1\n"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from os.path import commonprefix
 from typing import Any
 
 import torch
@@ -382,12 +383,19 @@ class TextTracker:
 
     def push(self, token: int) -> bool:
         """Add a token; True when a stop string is now complete."""
+        before = self.text if self._decoded == len(self.ids) else None
         self.ids.append(token)
         if not self.stop:
             return False
         text = self.text
-        # A new token can only complete a stop string that ends in its own text.
-        lo = max(0, len(text) - max(len(s) for s in self.stop) - 32)
+        # An occurrence inside the text that was already searched and did not change
+        # would have been found then: search from where a stop string could overlap the
+        # changed tail (the new token's text, however long, and any character the new
+        # token completed).
+        lo = 0
+        if before is not None:
+            stable = len(before) if text.startswith(before) else len(commonprefix([before, text]))
+            lo = max(0, stable - max(len(s) for s in self.stop) + 1)
         hits = [i for s in self.stop if (i := text.find(s, lo)) >= 0]
         if hits:
             self.cut = min(hits)
