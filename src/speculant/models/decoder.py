@@ -145,6 +145,11 @@ class Segment:
     tree_kv: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
+# The keys [lo, hi) each query row sees on the native path: (causal lo, sliding-window lo,
+# hi), each [rows] int64.
+KeyRanges = tuple[Tensor, Tensor, Tensor]
+
+
 @dataclass
 class _TreePath:
     """One root-to-leaf path of a tree, run as a chain: `nodes` its node indices by
@@ -156,7 +161,7 @@ class _TreePath:
     rows: int  # L padded like a chain of L tokens
     causal: Tensor  # [rows, span] bool
     window: Tensor  # [rows, span] bool
-    ranges: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # see _SegmentContext
+    ranges: KeyRanges | None = None  # see _SegmentContext
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -195,9 +200,17 @@ class _SegmentContext:
     rope_full: Tensor  # [2, rows, head_dim]
     rope_local: Tensor  # [2, rows, head_dim]
     paths: list[_TreePath] | None = None  # a tree segment's chains
-    # the native attention's visible keys per row, [lo, hi): (causal lo, causal hi,
-    # sliding-window lo, sliding-window hi), each [rows] int64; None on the torch path
-    ranges: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    ranges: KeyRanges | None = None  # the native path's visible keys (masks stay empty)
+
+
+def _visible(
+    v: _SegmentContext | _TreePath, sliding: bool
+) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """(mask [rows, span], None) on the torch path; (empty, (lo, hi)) on the native one."""
+    if v.ranges is not None:
+        lo, lo_window, hi = v.ranges
+        return v.causal, (lo_window if sliding else lo, hi)
+    return (v.window if sliding else v.causal), None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -378,13 +391,12 @@ class Transformer:
         causal, window = self._masks(q_pos, seg.cache.key_span(end))
         return _SegmentContext(causal, window, self._rope_full[:, rope], self._rope_local[:, rope])
 
-    def _ranges(self, q_pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The keys [lo, hi) that queries at q_pos see: causal, then sliding-window."""
-        hi = q_pos + 1
+    def _ranges(self, q_pos: Tensor) -> KeyRanges:
+        """The keys [lo, hi) that queries at q_pos see, causal and sliding-window."""
         lo = torch.zeros_like(q_pos)
         window = self.config.sliding_window
         lo_window = (q_pos - window + 1).clamp_min(0) if window else lo
-        return lo, hi, lo_window, hi
+        return lo, lo_window, q_pos + 1
 
     def _masks(self, q_pos: Tensor, span: int) -> tuple[Tensor, Tensor]:
         """(causal, sliding-window) visibility [rows, span] of queries at q_pos."""
@@ -450,10 +462,10 @@ class Transformer:
         outs = []
         for seg, (o, t, n_real), sc in zip(segments, spans, ctx, strict=True):
             cs = sc.rope_local if sliding else sc.rope_full
-            if sc.ranges is not None and sc.paths is None and lw.q_norm is None:
+            mask, keys = _visible(sc, sliding)
+            if keys is not None and sc.paths is None and lw.q_norm is None:
                 # one native call: rotary, cache write and attention of a chain (the
                 # same float operations as the torch lines below, so bitwise the same)
-                lo, hi = (sc.ranges[2], sc.ranges[3]) if sliding else sc.ranges[:2]
                 cache = seg.cache
                 cache.check_rows(seg.start, t)
                 outs.append(
@@ -465,8 +477,7 @@ class Transformer:
                         cache.k[layer, 0],
                         cache.v[layer, 0],
                         seg.start,
-                        lo,
-                        hi,
+                        *keys,
                         c.scale,
                     )
                 )
@@ -482,7 +493,7 @@ class Transformer:
             k = apply_rope(k, cs[0], cs[1])
             if sc.paths is None:
                 seg.cache.write(layer, seg.start, k, v)
-                out = self._attend(q, seg.cache, layer, sliding, sc.window, sc.causal, sc.ranges)
+                out = self._attend(q, seg.cache, layer, mask, keys)
             else:
                 seg.tree_kv.append((k[:, :, :n_real].clone(), v[:, :, :n_real].clone()))
                 out = q.new_zeros(nh, t, hd)
@@ -492,9 +503,7 @@ class Transformer:
                     qp = q[:, :, path.nodes]
                     if path.rows > length:  # the chain's padding rows
                         qp = torch.cat([qp, qp.new_zeros(1, nh, path.rows - length, hd)], dim=2)
-                    res = self._attend(
-                        qp, seg.cache, layer, sliding, path.window, path.causal, path.ranges
-                    )
+                    res = self._attend(qp, seg.cache, layer, *_visible(path, sliding))
                     out[:, path.nodes[path.own]] = res[:, path.own]
             outs.append(out.transpose(0, 1).reshape(t, nh * hd))
         return linear(torch.cat(outs) if len(outs) > 1 else outs[0], lw.wo)
@@ -504,18 +513,14 @@ class Transformer:
         q: Tensor,
         cache: KVCache,
         layer: int,
-        sliding: bool,
-        window: Tensor,
-        causal: Tensor,
-        ranges: tuple[Tensor, Tensor, Tensor, Tensor] | None,
+        mask: Tensor,
+        key_range: tuple[Tensor, Tensor] | None,
     ) -> Tensor:
-        """q [1, nh, T, hd] against the cache's keys under the sliding-window or causal
-        mask [T, span] (torch), or the key ranges (native) -> [nh, T, hd]."""
-        if ranges is not None:
-            lo, hi = (ranges[2], ranges[3]) if sliding else (ranges[0], ranges[1])
+        """q [1, nh, T, hd] against the cache's keys under mask [T, span] (torch), or
+        the key range [lo, hi) of each row (native) -> [nh, T, hd]."""
+        if key_range is not None:
             keys, values = cache.k[layer, 0], cache.v[layer, 0]  # [nkv, rows, hd]
-            return native.attend(q[0].contiguous(), keys, values, lo, hi, self.config.scale)
-        mask = window if sliding else causal
+            return native.attend(q[0].contiguous(), keys, values, *key_range, self.config.scale)
         keys, values = cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
         return attend(q, keys, values, mask, self.config.scale)
 

@@ -343,23 +343,34 @@ def _dequantized(index: GGUFIndex, config: ModelConfig, name: str) -> Tensor:
     return out if heads is None else _unpermute_rope(out, heads)
 
 
-def load_gguf(
-    path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
-) -> tuple[ModelConfig, Weights]:
+def _open_gguf(
+    path: Path, progress: Callable[[int, int], None] | None
+) -> tuple[GGUFIndex, ModelConfig, Callable[[], None]]:
+    """The file's index, its config, and a tick() that reports one more tensor read."""
     try:
         index = read_gguf(path)
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from exc
-    config = config_from_gguf(index)
     done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], len(index.tensors))
+
+    return index, config_from_gguf(index), tick
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
+) -> tuple[ModelConfig, Weights]:
+    index, config, tick = _open_gguf(path, progress)
 
     def get(name: str) -> Tensor | None:
         if name not in index.tensors:
             return None
         out = _dequantized(index, config, name)
-        done[0] += 1
-        if progress is not None:
-            progress(done[0], len(index.tensors))
+        tick()
         return out
 
     return config, _assemble(config, get, _GGUF_NAMES, dtype)
@@ -375,17 +386,7 @@ def load_gguf_native(
     from speculant.models.formats import GGUFWeight
     from speculant.native import SUPPORTED_TYPES, NativeMatrix, row_bytes
 
-    try:
-        index = read_gguf(path)
-    except GGUFError as exc:
-        raise ModelLoadError(str(exc)) from exc
-    config = config_from_gguf(index)
-    done = [0]
-
-    def tick() -> None:
-        done[0] += 1
-        if progress is not None:
-            progress(done[0], len(index.tensors))
+    index, config, tick = _open_gguf(path, progress)
 
     def stored(name: str) -> tuple[int, Tensor, int] | None:
         """(type, row bytes as uint8 [rows * row_bytes], rows), or None when the kernels
@@ -417,18 +418,13 @@ def load_gguf_native(
         k = int(index.tensors[names[0]].shape[0])
         return GGUFWeight(NativeMatrix([p for p in parts if p is not None], k))
 
-    def vec(role: str, i: int | None = None, wanted: bool = True) -> Tensor | None:
-        name = _GGUF_NAMES[role].format(i=i)
-        if not wanted or name not in index.tensors:
-            return None
-        tick()
-        return _dequantized(index, config, name).contiguous()
-
     def need_vec(role: str, i: int | None = None) -> Tensor:
-        t = vec(role, i)
-        if t is None:
-            raise ModelLoadError(f"tensor {_GGUF_NAMES[role].format(i=i)!r} is missing")
-        return t
+        tick()
+        return _dequantized(index, config, need(role, i)).contiguous()
+
+    def vec(role: str, i: int, wanted: bool) -> Tensor | None:
+        present = _GGUF_NAMES[role].format(i=i) in index.tensors
+        return need_vec(role, i) if wanted and present else None
 
     emb = projection(need("embed"))
     output = emb

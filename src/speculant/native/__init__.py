@@ -71,44 +71,20 @@ def _load() -> Any:
     except OSError as exc:
         _missing = f"{spec.origin} could not be loaded ({exc})"
         return None
-    lib.spec_features.restype = ctypes.c_int
-    lib.spec_set_path.argtypes = [ctypes.c_int]
-    lib.spec_set_path.restype = ctypes.c_int
-    lib.spec_active_path.restype = ctypes.c_int
-    lib.spec_row_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
-    lib.spec_row_bytes.restype = ctypes.c_int64
-    lib.spec_linear.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,  # int types[]
-        ctypes.c_void_p,  # const void *weights[]
-        ctypes.c_void_p,  # int64 ns[]
-        ctypes.c_int64,
-        ctypes.c_void_p,  # x
-        ctypes.c_int64,
-        ctypes.c_void_p,  # y
-        ctypes.c_int64,
-        ctypes.c_int,
-    ]
-    lib.spec_linear.restype = ctypes.c_int
-    lib.spec_dequant_rows.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-    ]
-    lib.spec_dequant_rows.restype = ctypes.c_int
-    lib.spec_quantize_rows.argtypes = [
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
-    lib.spec_quantize_rows.restype = ctypes.c_int
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.spec_features.restype = c_int
+    lib.spec_set_path.argtypes = [c_int]
+    lib.spec_set_path.restype = c_int
+    lib.spec_active_path.restype = c_int
+    lib.spec_row_bytes.argtypes = [c_int, i64]
+    lib.spec_row_bytes.restype = i64
+    # (nparts, types[], weights[], ns[], K, x, m, y, ldy, threads)
+    lib.spec_linear.argtypes = [c_int, p, p, p, i64, p, i64, p, i64, c_int]
+    lib.spec_linear.restype = c_int
+    lib.spec_dequant_rows.argtypes = [c_int, p, i64, p, i64, p]
+    lib.spec_dequant_rows.restype = c_int
+    lib.spec_quantize_rows.argtypes = [c_int, p, i64, i64, p, p]
+    lib.spec_quantize_rows.restype = c_int
     lib.spec_attend.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, ctypes.c_float, p, c_int]
     lib.spec_attend.restype = c_int
     lib.spec_rope_attend.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, i64, i64, p, p]
@@ -323,9 +299,15 @@ def attend(
         out.data_ptr(),
         threads if threads is not None else THREADS,
     )
-    if rc != 0:
-        raise ValueError(f"key ranges outside the cache's {rows} rows: lo {lo}, hi {hi}")
+    _attention_error(rc, f"key ranges outside the cache's {rows} rows: lo {lo}, hi {hi}")
     return out
+
+
+def _attention_error(rc: int, what: str) -> None:
+    if rc == -4:
+        raise MemoryError("native attention could not allocate its score buffer")
+    if rc != 0:
+        raise ValueError(what)
 
 
 def rope_attend(
@@ -379,11 +361,11 @@ def rope_attend(
         out.data_ptr(),
         threads if threads is not None else THREADS,
     )
-    if rc != 0:
-        raise ValueError(
-            f"attention block rejected (code {rc}): qkv {tuple(qkv.shape)}, heads {heads}, "
-            f"rows {start}..{start + t} of a {rows}-row cache, key ranges {lo} .. {hi}"
-        )
+    _attention_error(
+        rc,
+        f"attention block rejected: qkv {tuple(qkv.shape)}, heads {heads}, rows "
+        f"{start}..{start + t} of a {rows}-row cache, key ranges {lo} .. {hi}",
+    )
     return out
 
 

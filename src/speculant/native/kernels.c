@@ -975,6 +975,7 @@ typedef struct {
     const int64_t *lo, *hi;
     float scale;
     int path;
+    atomic_int failed; /* a pair's score buffer could not be allocated */
 } attn_t;
 
 /* One (query head, query row) pair: chunk = h * T + t. */
@@ -998,7 +999,10 @@ static void attend_one(const void *ctx, int64_t chunk) {
     if (n <= 0) return;
     float stack[1024];
     float *s = n <= 1024 ? stack : malloc(sizeof(float) * (size_t)n);
-    if (!s) return; /* out of memory: zeros (the caller checked sizes) */
+    if (!s) {
+        atomic_store(&((attn_t *)a)->failed, 1);
+        return;
+    }
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         s[j] = dot(q, keys + (lo + j) * a->hd, a->hd) * a->scale;
@@ -1017,7 +1021,8 @@ static void attend_one(const void *ctx, int64_t chunk) {
 /* Attention of T query rows: q [nh][T][hd]; k, v [nkv][rows][hd] (one layer's cache);
  * query row t sees keys [lo[t], hi[t]). out [nh][T][hd]. Returns 0, or -1 for a shape
  * it does not take (hd not a multiple of 8, nh not a multiple of nkv, a range past rows). */
-static void run_attention(attn_t *a, int nthreads) {
+/* Returns 0, or -4 when a score buffer could not be allocated. */
+static int run_attention(attn_t *a, int nthreads) {
     if (a->path < 0) a->path = PATH_PORTABLE;
     const int64_t T = a->T, nh = a->nh, hd = a->hd;
     const int64_t *lo = a->lo, *hi = a->hi;
@@ -1029,6 +1034,7 @@ static void run_attention(attn_t *a, int nthreads) {
     /* split only when there is enough work to pay for waking the workers */
     int64_t work = nh * T * (hi[T - 1] - lo[T - 1]) * hd;
     pool_run(&jb, work >= (1 << 18) ? nthreads : 1);
+    return atomic_load(&a->failed) ? -4 : 0;
 }
 
 static int ranges_ok(int64_t T, const int64_t *lo, const int64_t *hi, int64_t rows) {
@@ -1042,9 +1048,8 @@ int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, 
                 float *out, int nthreads) {
     if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || !ranges_ok(T, lo, hi, rows)) return -1;
     attn_t a = {q, k, v, out, T, nh, nkv, hd, rows, hd, T * hd, hd, T * hd, lo, hi, scale,
-                resolve_path()};
-    run_attention(&a, nthreads);
-    return 0;
+                resolve_path(), 0};
+    return run_attention(&a, nthreads);
 }
 
 /* Rotary embedding (rotate-half layout) of one head: the same float operations as the
@@ -1079,10 +1084,10 @@ int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_
         }
     }
     attn_t a = {qr, kc, vc, out, T, nh, nkv, hd, rows, nh * hd, hd, nh * hd, hd, lo, hi, scale,
-                resolve_path()};
-    run_attention(&a, nthreads);
+                resolve_path(), 0};
+    int rc = run_attention(&a, nthreads);
     free(qr);
-    return 0;
+    return rc;
 }
 
 /* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of d values (d a multiple of 8). */
