@@ -299,15 +299,15 @@ def attend(
         out.data_ptr(),
         threads if threads is not None else THREADS,
     )
-    _attention_error(rc, f"key ranges outside the cache's {rows} rows: lo {lo}, hi {hi}")
+    if rc != 0:  # the message formats tensors: only on failure
+        _attention_error(rc, f"key ranges outside the cache's {rows} rows: lo {lo}, hi {hi}")
     return out
 
 
 def _attention_error(rc: int, what: str) -> None:
     if rc == -4:
         raise MemoryError("native attention could not allocate its score buffer")
-    if rc != 0:
-        raise ValueError(what)
+    raise ValueError(what)
 
 
 def rope_attend(
@@ -361,11 +361,12 @@ def rope_attend(
         out.data_ptr(),
         threads if threads is not None else THREADS,
     )
-    _attention_error(
-        rc,
-        f"attention block rejected: qkv {tuple(qkv.shape)}, heads {heads}, rows "
-        f"{start}..{start + t} of a {rows}-row cache, key ranges {lo} .. {hi}",
-    )
+    if rc != 0:  # the message formats tensors: only on failure
+        _attention_error(
+            rc,
+            f"attention block rejected: qkv {tuple(qkv.shape)}, heads {heads}, rows "
+            f"{start}..{start + t} of a {rows}-row cache, key ranges {lo} .. {hi}",
+        )
     return out
 
 
