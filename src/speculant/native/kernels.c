@@ -291,6 +291,7 @@ typedef struct {
     float *y;
     int64_t chunk_cols;
     int64_t nchunks;
+    int64_t row_block; /* rows taken together over a chunk's columns (a multiple of 4) */
     int path;
     /* a job other than a matmul (attention): chunk c runs task(ctx, c) */
     void (*task)(const void *ctx, int64_t chunk);
@@ -400,6 +401,11 @@ static void kquant_cols_portable(const job_t *jb, const part_t *p, int64_t c0, i
 /* -------------------------------------------------------------------- AVX2 kernels */
 #ifdef SPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* Keeps an accumulator in a register where it is: the compiler otherwise reassociates a
+ * tile's integer sums into trees of spilled partial sums (integer results are the same
+ * either way; only the instruction count differs). */
+#define PIN(v) __asm__("" : "+x"(v))
 
 /* The F16C conversion: exact, so bitwise the same as h2f. */
 AVX2 static inline float h2f_f16c(uint16_t h) { return _cvtsh_ss(h); }
@@ -546,6 +552,7 @@ q4k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
                 __m256i xh = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k + 32));
                 s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), slo));
                 s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), shi));
+                PIN(s[r]);
             }
         }
         for (int r = 0; r < R; r++) {
@@ -600,6 +607,7 @@ q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
                     const xq256 *xb = xbase + r * nb + b;
                     __m256i x = _mm256_loadu_si256((const __m256i *)(xb->q + 128 * h + 32 * k));
                     s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scv));
+                    PIN(s[r]);
                 }
             }
         }
@@ -640,11 +648,18 @@ static void cols_avx2(const job_t *jb, const part_t *p, int64_t c0, int64_t c1) 
     static const tile_fn q4k[4] = {q4k_r1, q4k_r2, q4k_r3, q4k_r4};
     static const tile_fn q6k[4] = {q6k_r1, q6k_r2, q6k_r3, q6k_r4};
     const tile_fn *fns = p->type == T_Q4_K ? q4k : (p->type == T_Q6_K ? q6k : legacy);
-    /* column outer, row tiles inner: a column's blocks stay in L1 across the tiles */
-    for (int64_t c = c0; c < c1; c++) {
-        for (int64_t r0 = 0; r0 < jb->m; r0 += MAX_ROWS_TILE) {
-            int64_t R = jb->m - r0 < MAX_ROWS_TILE ? jb->m - r0 : MAX_ROWS_TILE;
-            fns[R - 1](jb, p, r0, c);
+    /* column outer, row tiles inner: a column's blocks stay in L1 across the tiles.
+     * Many rows (a prefill) are taken a block of rows at a time, so that the block's
+     * quantized activations stay in L2 while the chunk's columns pass over them (all
+     * rows at once would stream every activation from L3 again for every column). */
+    const int64_t rb = jb->row_block;
+    for (int64_t b0 = 0; b0 < jb->m; b0 += rb) {
+        const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m;
+        for (int64_t c = c0; c < c1; c++) {
+            for (int64_t r0 = b0; r0 < b1; r0 += MAX_ROWS_TILE) {
+                int64_t R = b1 - r0 < MAX_ROWS_TILE ? b1 - r0 : MAX_ROWS_TILE;
+                fns[R - 1](jb, p, r0, c);
+            }
         }
     }
 }
@@ -901,6 +916,20 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
         cc = target < 4 ? 4 : (target > 64 ? 64 : target);
     } else {
         cc = col;
+    }
+    /* Rows per block: their quantized activations within ~128 KiB (L2 with the chunk's
+     * weights), and a chunk's weights within ~64 KiB when the rows are many. */
+    int64_t xrow = need256 ? (int64_t)sizeof(xq256) * (K / 256) : 0;
+    if (need32 && (int64_t)sizeof(xq32) * (K / 32) > xrow) xrow = (int64_t)sizeof(xq32) * (K / 32);
+    int64_t rbk = ((int64_t)128 * 1024 / xrow) / MAX_ROWS_TILE * MAX_ROWS_TILE;
+    jb.row_block = rbk < MAX_ROWS_TILE ? MAX_ROWS_TILE : rbk;
+    if (m > jb.row_block) {
+        int64_t maxrb = 0;
+        for (int i = 0; i < nparts; i++)
+            if (jb.parts[i].row_bytes > maxrb) maxrb = jb.parts[i].row_bytes;
+        int64_t capc = (int64_t)64 * 1024 / maxrb;
+        if (capc < 4) capc = 4;
+        if (cc > capc) cc = capc;
     }
     jb.chunk_cols = cc;
     jb.nchunks = (col + cc - 1) / cc;
