@@ -11,6 +11,8 @@ from speculant.argtypes import add_dtype_args, k_value
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DEFAULT_METHOD = "ngram"
+DEFAULT_K = 3
 
 EPILOG = """\
 examples:
@@ -56,20 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--draft",
-        default=DEFAULT_DRAFT,
-        help="draft model for --method draft (must share the target's tokenizer)",
+        default=None,
+        help=f"draft model for --method draft (must share the target's tokenizer); "
+        f"giving one selects --method draft (default: {DEFAULT_DRAFT})%(default).0s",
     )
     gen.add_argument(
         "--method",
-        default="draft",
+        default=None,
         choices=_methods(),
-        help="how drafts are proposed; 'none' is plain decoding with the target",
+        help=f"how drafts are proposed; 'none' is plain decoding with the target "
+        f"(default: {DEFAULT_METHOD}, or draft when --draft is given: on a CPU the 0.5B "
+        "draft costs about half a target pass per token, so prompt lookup, which costs "
+        "nothing and drafts only where the output repeats earlier text, is faster; see "
+        "docs/performance.md)%(default).0s",
     )
     gen.add_argument(
         "--num-speculative-tokens",
         "-k",
         type=k_value,
-        default=5,
+        default=DEFAULT_K,
         metavar="K",
         help="tokens drafted per verification pass (γ), or 'auto' to choose "
         "k per step from the live acceptance rate and measured costs",
@@ -252,6 +259,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise CliError(f"--threads={args.threads} is out of range: use >= 1")
         torch.set_num_threads(args.threads)
+    if args.method is None:
+        args.method = "draft" if args.draft is not None else DEFAULT_METHOD
+    if args.draft is None:
+        args.draft = DEFAULT_DRAFT
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(
         temperature=args.temperature,
