@@ -2,6 +2,7 @@
 
     python scripts/bench_pass.py [--model qwen2.5-coder-1.5b-instruct]
         [--dtypes gguf,int4] [--widths 1,2,4,6,8,16] [--context 64] [--out bench-out/pass]
+        [--paths avx2,avx512vnni]
 
 For each dtype: the median ms of a pass over w tokens after a `--context`-token prefix
 (the cache is rewound between repeats, so every pass sees the same context), the ratio
@@ -34,30 +35,54 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def measure(name: str, dtype: str, widths: list[int], context: int, new: int, reps: int) -> dict:
+def measure(
+    name: str, dtype: str, widths: list[int], context: int, new: int, reps: int, paths: list[str]
+) -> list[dict]:
+    """One row per kernel path (`paths`, or [""] for the one the CPU picks); the paths
+    take turns within every repeat, so that the machine's drift falls on all alike."""
     model = load_model(name, dtype=dtype, progress=False)
     tok = model.tokenizer
     assert tok is not None
     ids = tok.encode("def quicksort(items):\n    " * 16)[:context]
     cache = model.new_cache(context + max(widths) + new + 8)
     model.prefill(ids, cache)
-    out: dict = {"dtype": dtype, "pass_ms": {}}
-    for w in widths:
-        tokens = ids[:w]
-        model.forward(tokens, cache, context)  # warm
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            model.forward(tokens, cache, context)
-            times.append(time.perf_counter() - t0)
-        out["pass_ms"][w] = 1e3 * statistics.median(times)
-    cache.length = context
-    last = int(model.forward(ids[-1:], cache, context - 1)[-1].argmax())
-    t0 = time.perf_counter()
-    for i in range(new):
-        last = int(model.forward([last], cache, context + i)[-1].argmax())
-    out["plain_tok_s"] = new / (time.perf_counter() - t0)
-    return out
+
+    def use(path: str) -> None:
+        if path:
+            native.set_path(path)
+
+    rows = {path: {"dtype": dtype, "path": path, "pass_ms": {}} for path in paths}
+    try:
+        for w in widths:
+            tokens = ids[:w]
+            times: dict[str, list[float]] = {path: [] for path in paths}
+            for path in paths:
+                use(path)
+                model.forward(tokens, cache, context)  # warm
+            for _ in range(reps):
+                for path in paths:
+                    use(path)
+                    t0 = time.perf_counter()
+                    model.forward(tokens, cache, context)
+                    times[path].append(time.perf_counter() - t0)
+            for path in paths:
+                rows[path]["pass_ms"][w] = 1e3 * statistics.median(times[path])
+        speeds: dict[str, list[float]] = {path: [] for path in paths}
+        for _ in range(2):
+            for path in paths:
+                use(path)
+                cache.length = context
+                last = int(model.forward(ids[-1:], cache, context - 1)[-1].argmax())
+                t0 = time.perf_counter()
+                for i in range(new):
+                    last = int(model.forward([last], cache, context + i)[-1].argmax())
+                speeds[path].append(new / (time.perf_counter() - t0))
+        for path in paths:
+            rows[path]["plain_tok_s"] = statistics.median(speeds[path])
+    finally:
+        if any(paths):
+            native.set_path("auto")
+    return list(rows.values())
 
 
 def main() -> None:
@@ -68,6 +93,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--new", type=int, default=32, help="tokens for the plain tok/s figure")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument(
+        "--paths",
+        default="",
+        help="native kernel paths to compare for gguf, taking turns (e.g. avx2,avx512vnni);"
+        " default: the one the CPU picks",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-out/pass"))
     args = p.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
@@ -76,15 +107,17 @@ def main() -> None:
         native.share_cores_with_torch()
     rows = []
     for dtype in dtypes:
-        r = measure(args.model, dtype, widths, args.context, args.new, args.reps)
-        rows.append(r)
-        ms = r["pass_ms"]
-        print(
-            f"{dtype:>8}: "
-            + " ".join(f"w{w}={ms[w]:.0f}ms({ms[w] / ms[1]:.2f}x)" for w in widths)
-            + f"  plain {r['plain_tok_s']:.1f} tok/s",
-            flush=True,
-        )
+        paths = args.paths.split(",") if args.paths and dtype == "gguf" else [""]
+        for r in measure(args.model, dtype, widths, args.context, args.new, args.reps, paths):
+            rows.append(r)
+            ms = r["pass_ms"]
+            label = f"{dtype} {r['path']}".strip()
+            print(
+                f"{label:>16}: "
+                + " ".join(f"w{w}={ms[w]:.0f}ms({ms[w] / ms[1]:.2f}x)" for w in widths)
+                + f"  plain {r['plain_tok_s']:.1f} tok/s",
+                flush=True,
+            )
     path = native.active_path() if native.available() else f"none ({native.why_missing()})"
     meta = {
         "model": args.model,
@@ -99,13 +132,16 @@ def main() -> None:
     lines = [
         f"{args.model}, {meta['cpu']}, kernel path {path}, context {args.context}",
         "",
-        "| dtype | " + " | ".join(f"w={w}" for w in widths) + " | plain tok/s |",
-        "|---|" + "---|" * (len(widths) + 1),
+        "| dtype | path | " + " | ".join(f"w={w}" for w in widths) + " | plain tok/s |",
+        "|---|---|" + "---|" * (len(widths) + 1),
     ]
     for r in rows:
         ms = r["pass_ms"]
         cells = [f"{ms[w]:.0f} ms ({ms[w] / ms[1]:.2f}x)" for w in widths]
-        lines.append(f"| {r['dtype']} | " + " | ".join(cells) + f" | {r['plain_tok_s']:.1f} |")
+        row_path = r["path"] or path
+        lines.append(
+            f"| {r['dtype']} | {row_path} | " + " | ".join(cells) + f" | {r['plain_tok_s']:.1f} |"
+        )
     (args.out / "pass.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out / 'pass.json'} and {args.out / 'pass.md'}")
 

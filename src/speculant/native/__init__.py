@@ -2,9 +2,10 @@
 
 `pip install` compiles `kernels.c` into the extension module `speculant._kernels` with the
 system C compiler (see setup.py). The library picks its code path at run time from the
-CPU's instruction sets (AVX2 + FMA, else portable C); `set_path` forces one, for tests
-and benchmarks. When the library is missing, `available()` is False and `why_missing()`
-says why, and Speculant runs its PyTorch paths instead.
+CPU's instruction sets (AVX2 + FMA, else portable C; the AVX-512 and AVX-512 VNNI paths
+are bitwise equal but not yet faster, so only `set_path` selects them). `set_path` forces
+a path, for tests and benchmarks. When the library is missing, `available()` is False and
+`why_missing()` says why, and Speculant runs its PyTorch paths instead.
 
 The kernels compute y = x @ W.T over GGUF-quantized weights in their stored formats
 (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), with float32 activations quantized per row to int8
@@ -42,8 +43,10 @@ BLOCK = {
     Q6_K: (256, 210),
 }
 
-PATHS = {"auto": 0, "portable": 1, "avx2": 2}
-_PATH_NAMES = {1: "portable", 2: "avx2"}
+PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512vnni": 4}
+_PATH_NAMES = {v: k for k, v in PATHS.items() if v}
+# the CPU features (bits of spec_features) each path needs
+_PATH_FEATURES = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 4}
 MAX_PARTS = 8
 THREADS = int(os.environ.get("SPECULANT_THREADS", "0")) or (os.cpu_count() or 1)
 
@@ -115,15 +118,12 @@ def _need() -> Any:
 
 def paths() -> list[str]:
     """The code paths this CPU can run, slowest first."""
-    lib = _need()
-    out = ["portable"]
-    if lib.spec_features() & 1:
-        out.append("avx2")
-    return out
+    have = _need().spec_features()
+    return [name for name, need in _PATH_FEATURES.items() if (have & need) == need]
 
 
 def set_path(name: str) -> None:
-    """Force a code path ("portable", "avx2") or let the CPU decide ("auto")."""
+    """Force a code path (one of `paths()`) or let the CPU decide ("auto")."""
     if name not in PATHS:
         raise ValueError(f"kernel path {name!r} is not known: use one of {', '.join(PATHS)}")
     if _need().spec_set_path(PATHS[name]) != 0:
