@@ -16,6 +16,7 @@ from speculant.models.gguf_file import read_gguf
 from speculant.models.loader import config_from_gguf
 from speculant.plan import (
     REGISTRY_CONFIGS,
+    RUNTIME_BYTES,
     PlanError,
     device_budget,
     kv_bytes,
@@ -71,7 +72,8 @@ def test_estimate_is_close_to_measured_peak() -> None:
     runtime (weights, cache, working memory) is within 25% of the plan (docs/planning.md
     states this tolerance). The runtime itself (PyTorch and Python, before any model)
     differs between machines, ~300 MiB on the AVX2 EPYC and ~420 MiB on the AVX-512
-    ones, so it is measured in the same process rather than taken from the constant."""
+    ones, so it is measured in the same process rather than taken from the constant.
+    On an AVX-512 BF16 CPU the bf16 kernel cache is ~60-100 MiB of what it adds."""
     real_model_path("smollm2-135m-instruct")
     argv = ["plan", "--target", "smollm2-135m-instruct", "--draft", "none"]
     argv += ["--context", "1024", "--measure", "--json", "--memory", "24GiB"]
@@ -79,7 +81,10 @@ def test_estimate_is_close_to_measured_peak() -> None:
         [sys.executable, "-m", "speculant.cli", *argv], capture_output=True, text=True, check=True
     )
     data = json.loads(out.stdout)
-    planned = data["total_bytes"] - data["runtime_bytes"]
+    # Both sides leave out only PyTorch and Python before any model: the tokenizer and the
+    # bf16 kernel cache (on CPUs with bf16 instructions) are loaded after the measured
+    # runtime, so they count on both sides.
+    planned = data["total_bytes"] - RUNTIME_BYTES
     measured = data["measured_peak_bytes"] - data["measured_runtime_bytes"]
     assert 0.75 < planned / measured < 1.25, (planned, measured)
 

@@ -12,7 +12,10 @@ Formulas (bytes; "rows" = tokens held by a cache):
                 the MLP and attention scores over the whole context, or the logits of a
                 verify pass, whichever is larger
     runtime   = the framework itself (PyTorch, Python) plus the tokenizer (grows with
-                the vocabulary): measured, see RUNTIME_BYTES
+                the vocabulary): measured, see RUNTIME_BYTES; plus, for a bfloat16 model on
+                a CPU with bf16 instructions, the kernel cache PyTorch's bf16 matmuls keep
+                there (one compiled kernel with its scratch per matrix shape and row
+                count, ~0.75 MiB each, measured: see KERNEL_CACHE_BYTES)
 
 This is the engine's own layout: int4 is group-wise (4 bits + a bf16 scale and zero per
 group of 32: 5 bits a weight; a matrix whose shape the int4 kernel cannot take stays
@@ -36,6 +39,12 @@ CACHE_SLACK = 16
 KEY_BLOCK = 64
 RUNTIME_BYTES = 420 * 1024**2  # PyTorch + Python, measured on CPU
 TOKENIZER_BYTES_PER_TOKEN = 700  # a loaded tokenizer's vocabulary and merges, measured
+# On a CPU with bf16 instructions (AVX-512 BF16, AMX), PyTorch's oneDNN bf16 matmul keeps a
+# kernel and its scratch for each (matrix shape, row count) it has run: ~0.75 MiB each,
+# measured on an AVX-512 BF16 EPYC (24 row counts over one shape: 17-22 MiB). A model has 5
+# matrix shapes (qkv, output, gate/up, down, LM head) and the engine runs each at the
+# calibration's row counts plus prefill chunks and shifted batches (a few more).
+KERNEL_CACHE_BYTES = 5 * (24 + 4) * 768 * 1024  # 24: numerics.CALIBRATION_ROWS
 
 # Bytes per weight of the linear layers, and whether the embedding stays in the
 # activation dtype (integer formats keep it so: lookups need no matmul kernel).
@@ -293,7 +302,20 @@ def make_plan(
             )
         dplan = plan_model(dname, dcfg, draft_dtype, context, batch, k, draft=True)
     runtime = RUNTIME_BYTES + TOKENIZER_BYTES_PER_TOKEN * tcfg.vocab_size
+    if cpu_has_bf16():
+        bf16_models = [target_dtype] + ([draft_dtype] if draft is not None else [])
+        runtime += KERNEL_CACHE_BYTES * bf16_models.count("bfloat16")
     return Plan(tplan, dplan, context, batch, runtime)
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this machine's CPU has bf16 matrix instructions (/proc/cpuinfo flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 def machine_memory() -> int:
