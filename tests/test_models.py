@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -178,3 +180,44 @@ def test_attention_values_do_not_depend_on_the_span() -> None:
             assert torch.equal(attend_values(padded, values[:, : span + extra]), a), span
         ref = torch.matmul(probs.float(), values[:, :span].float())
         assert torch.allclose(a.float(), ref, atol=2e-2)
+
+
+def _rowwise(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T in float32, one row at a time (a float32 matmul's own order can depend on
+    its row count)."""
+    return torch.stack([w.float() @ row.float() for row in x])
+
+
+def _reordered_at_one_row(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x @ w.T in float32 rounded to bfloat16, whose one-row path adds its three partial
+    sums in another order: the kind of difference CPU kernels have between row counts."""
+    k = w.shape[1]
+    parts = [slice(0, k // 3), slice(k // 3, 2 * k // 3), slice(2 * k // 3, k)]
+
+    def op(x: torch.Tensor) -> torch.Tensor:
+        a, b, c = (_rowwise(x[:, s], w[:, s]) for s in parts)
+        y = a + (b + c) if x.shape[0] == 1 else (a + b) + c
+        return y.to(torch.bfloat16)
+
+    return op
+
+
+def test_calibration_sees_a_reordered_sum() -> None:
+    """A float32 reordering shows in a bfloat16 result for ~1 of 10^4 random outputs; the
+    calibration's sensitive rows must catch it at every run, and must not flag an op that
+    has no reordering."""
+    from speculant.models.numerics import _invariant, _row_counts, _sensitive_rows
+
+    counts = _row_counts((1, 1))
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randn(64, 768, generator=gen).to(torch.bfloat16)
+        reordered = _reordered_at_one_row(w)
+        x = _sensitive_rows(reordered, 768, 32, torch.bfloat16, gen)
+        assert not _invariant(reordered, x, counts, shifted=False)
+
+        def same_order(x: torch.Tensor, w: torch.Tensor = w) -> torch.Tensor:
+            return _rowwise(x, w).to(torch.bfloat16)
+
+        y = _sensitive_rows(same_order, 768, 32, torch.bfloat16, gen)
+        assert _invariant(same_order, y, counts, shifted=True)

@@ -179,3 +179,48 @@ def test_flipped_byte_is_refused(tmp_path, monkeypatch) -> None:  # type: ignore
     )
     with pytest.raises(registry.IntegrityError, match="manifest.json"):
         load_model(loose, progress=False)
+
+
+# Prompts on which bfloat16 greedy speculation drifted from plain decoding on an AVX-512
+# BF16 EPYC before the calibration's rows were made sensitive (first differing tokens 7-10).
+DRIFT_PROMPTS = (
+    "The three largest cities in France are",
+    "Q: What is 17 * 23?\nA:",
+    "<ul>\n  <li>apples</li>\n",
+)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "int8", "int4"])
+def test_every_method_equals_plain_on_the_real_model(dtype: str) -> None:
+    """Greedy speculative output equals plain decoding token for token on SmolLM2 in every
+    format, for every method (the draft is the same model in int4, the EAGLE head untrained
+    so its drafts are mostly rejected), over several prompts and 64 tokens, on whichever
+    CPU this runs."""
+    from conftest import tiny_eagle_options
+
+    from speculant.proposers import available_methods
+
+    path = real_model_path("smollm2-135m-instruct")
+    target = load_model(path, dtype=dtype, progress=False)
+    draft = load_model(path, dtype="int4", progress=False)
+    methods = [m for m in available_methods() if m != "none"]
+    assert {"draft", "eagle", "layer-skip", "ngram", "suffix"} <= set(methods)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    failures = []
+    for prompt in DRIFT_PROMPTS:
+        ids = target.tokenizer.encode(prompt)
+        reference = plain_greedy(target, ids, 64)
+        for method in methods:
+            options = tiny_eagle_options(target) if method == "eagle" else None
+            engine = Engine(
+                target,
+                draft=draft if method == "draft" else None,
+                method=method,
+                num_speculative_tokens=3 if method == "layer-skip" else 5,
+                proposer_options=options,
+            )
+            out = engine.generate(ids, params).token_ids
+            if out != reference:
+                at = next(i for i, (a, b) in enumerate(zip(out, reference, strict=False)) if a != b)
+                failures.append(f"{method} on {prompt!r}: first differs at token {at}")
+    assert not failures, f"{dtype}, padding {target.net.row_padding}: " + "; ".join(failures)

@@ -9,14 +9,23 @@ agree bitwise, or a near-tie argmax flips and greedy speculative output drifts.
 
 So the padding is not assumed, it is measured: `calibrate` runs the decoder's own ops
 (the projections with the model's real weights, both attention matmuls at the model's
-head layout) at every padded row count up to CALIBRATION_ROWS, and the projections also
-behind other sequences' rows (a batched pass), and keeps the first (least rows, row
-multiple) rule under which every row is bitwise the same in all of them. The answer
-is remembered per dtype, shapes and thread count.
+head layout) at every padded row count up to CALIBRATION_ROWS, each row at every place
+in the pass, and the projections also behind other sequences' rows (a batched pass),
+and keeps the first (least rows, row multiple) rule under which every row is bitwise
+the same in all of them. The answer is remembered per dtype, shapes and thread count.
+
+Random inputs hide most differences: two float32 sums of the same products in another
+order differ by a few float32 ulps, and rounding the result to bfloat16 (8 bits) erases
+that in all but ~1 of 10^5 outputs (on an AVX-512 BF16 EPYC, SmolLM2's down projection
+at one row against two rows: 2 of 6 million outputs, yet greedy speculative output
+drifted in 15 of 20 runs). So each calibration row is made sensitive (`_sensitive_rows`):
+two of its inputs are set so that one of its outputs cancels to ~2^-18 of its terms,
+where a reordered sum shows in the rounded result.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -54,13 +63,48 @@ def _row_counts(padding: Padding) -> list[int]:
     return sorted({padded_rows(n, padding) for n in range(1, CALIBRATION_ROWS + 1)})
 
 
+def _sensitive_rows(
+    op: Callable[[Tensor], Tensor], width: int, n: int, dtype: torch.dtype, gen: torch.Generator
+) -> Tensor:
+    """n random [width] rows for op (row-wise affine), each with one output (a different
+    one per row) cancelled to ~2^-18 of its terms' size: there any change in the order of
+    op's float32 sum shows in the rounded result. Two inputs per row carry the
+    cancellation, set one after the other from op's own columns (op of unit rows)."""
+    x = torch.randn(n, width, generator=gen)
+    probes = torch.randperm(width, generator=gen)[:16]
+    units = torch.zeros(len(probes), width)
+    units[torch.arange(len(probes)), probes] = 1.0
+    zero = op(torch.zeros(1, width).to(dtype)).reshape(1, -1).float()
+    cols = op(units.to(dtype)).reshape(len(probes), -1).float() - zero  # [probes, outs]
+    reach = cols.abs().amax(dim=0)  # outputs some probed input moves
+    candidates = torch.nonzero(reach > 0).flatten()
+    if len(candidates) == 0:
+        return x.to(dtype)
+    targets = candidates[torch.randint(len(candidates), (n,), generator=gen)]
+    rows = torch.arange(n)
+    order = cols[:, targets].abs().argsort(dim=0, descending=True)  # [probes, n]
+    first, second = probes[order[0]], probes[order[1]]
+    x[rows, first] = 0.0
+    x[rows, second] = 0.0
+    for inp, rank in ((first, 0), (second, 1)):
+        w = cols[order[rank], targets]  # [n]: d output / d input
+        y = (op(x.to(dtype)).reshape(n, -1).float() - zero)[rows, targets]
+        step = torch.where(w != 0, -y / torch.where(w != 0, w, 1.0), 0.0)
+        x[rows, inp] = x[rows, inp] + step
+    return x.to(dtype)
+
+
 def _invariant(op: Callable[[Tensor], Tensor], x: Tensor, counts: list[int], shifted: bool) -> bool:
     """op maps [m, ...] rows to [m, ...] rows; True when every row is the same at every
-    m, and (`shifted`) when a segment placed after other padded segments in a batched
-    pass (an offset that is itself a padded count) gets the same rows as alone."""
-    ref = op(x[: counts[-1]])
-    if not all(torch.equal(op(x[:m]), ref[:m]) for m in counts[:-1]):
-        return False
+    m and at every place in a pass of m rows, and (`shifted`) when a segment placed
+    after other padded segments in a batched pass (an offset that is itself a padded
+    count) gets the same rows as alone."""
+    top = counts[-1]
+    ref = op(x[:top])
+    for m in counts[:-1]:
+        for start in range(0, top - m + 1, m):
+            if not torch.equal(op(x[start : start + m]), ref[start : start + m]):
+                return False
     if not shifted:
         return True
     for offset in (counts[0], counts[0] + counts[1] if len(counts) > 1 else 2 * counts[0]):
@@ -140,9 +184,10 @@ def calibrate(config: ModelConfig, weights: Weights, dtype: torch.dtype) -> Padd
     if key in _KNOWN:
         return _KNOWN[key]
     gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(32, w, generator=gen).to(dtype) for w in widths]
     ops = _ops(config, weights, dtype)
-    chosen = CANDIDATES[-1]
+    with torch.inference_mode():
+        inputs = [_sensitive_rows(op, w, 32, dtype, gen) for op, w in zip(ops, widths, strict=True)]
+    chosen: Padding | None = None
     with torch.inference_mode():
         for padding in CANDIDATES:
             counts = _row_counts(padding)
@@ -153,5 +198,14 @@ def calibrate(config: ModelConfig, weights: Weights, dtype: torch.dtype) -> Padd
             ):
                 chosen = padding
                 break
+    if chosen is None:
+        chosen = CANDIDATES[-1]
+        warnings.warn(
+            f"no row padding up to {chosen} makes {dtype} matmuls row-count invariant on "
+            "this CPU: greedy speculative output may differ from plain decoding here "
+            "(a .gguf model on the native kernels is row invariant by construction)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     _KNOWN[key] = chosen
     return chosen
