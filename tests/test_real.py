@@ -131,12 +131,12 @@ def test_cli_bad_input_is_one_clear_line(capsys) -> None:  # type: ignore[no-unt
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_converted_weight_cache_roundtrip(dtype: str) -> None:
-    from speculant.models import weight_cache
+    from speculant.models import registry, weight_cache
 
     path = real_model_path("smollm2-135m-instruct")
     first = load_model(path, dtype=dtype, progress=False)  # writes the cache if absent
     assert weight_cache.cache_path(path, dtype).is_file()
-    again = weight_cache.load(path, dtype)
+    again = weight_cache.load(path, dtype, registry.file_sha256(path, progress=False))
     assert again is not None
     config, weights = again
     assert config == first.config

@@ -1,20 +1,30 @@
-"""Chain-of-trust extras: fixed-cadence streaming (timing independent of acceptance)
+"""Chain of trust: caches derived from a verified GGUF are checked before use (a
+tampered one is rebuilt), fixed-cadence streaming (timing independent of acceptance)
 and the acceptance anomaly signal (flags what the draft predicts badly)."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import shutil
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+from conftest import real_model_path
 from serving import metrics, serving
 from tiny import tiny_chat_model
 
 from speculant import Engine, SamplingParams
 from speculant.anomaly import AcceptanceBaseline
 from speculant.cadence import Ticker, TokenSplitter, paced
-from speculant.models.model import Model
+from speculant.models import derived, registry, weight_cache
+from speculant.models import model as model_module
+from speculant.models import tokenizer as tokenizer_module
+from speculant.models.model import Model, load_model
 from speculant.proposers import Draft, DraftModelProposer
 from speculant.scheduler import StreamChunk
 from speculant.server import AsyncEngine
@@ -224,3 +234,209 @@ def test_low_acceptance_warning_names_the_draft(caplog: pytest.LogCaptureFixture
     assert len(warnings) == 1  # once, then rate-limited
     assert "draft-y" in warnings[0] and "--num-speculative-tokens" in warnings[0]
     assert m.recent_acceptance() == pytest.approx(0.2, abs=0.01)
+
+
+# ---------------------------------------------------------- derived caches
+
+SMOL = "smollm2-135m-instruct"
+SMOL_SHA = registry.KNOWN_MODELS[SMOL].sha256
+TOKENIZER_FILES = ("tokenizer.json", "speculant_tokenizer.json")
+
+
+def _overwrite_middle(path: Path, n: int, seed: int = 0) -> str:
+    """Overwrite n bytes in the middle of a file in place; return its new sha256."""
+    size = path.stat().st_size
+    n = min(n, size // 2)
+    with path.open("r+b") as f:
+        f.seek(size // 2 - n // 2)
+        f.write(random.Random(seed).randbytes(n))
+    return registry.sha256_file(path)
+
+
+def test_derived_record_binds_file_and_source(tmp_path: Path) -> None:
+    source, other = "a" * 64, "b" * 64
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"gguf")
+    cache = tmp_path / "m.cache"
+    derived.atomic_write(cache, b"0123456789" * 100)
+    written = derived.write_record(cache, src, source)
+    assert written == registry.sha256_file(cache)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["m.cache", "m.cache.source.json", "m.gguf"]  # no temporary file left
+    assert derived.problem(cache, source) is None
+    assert derived.problem(cache, source, data=cache.read_bytes()) is None
+    # Built from another source: both source digests named.
+    why = derived.problem(cache, other)
+    assert why is not None and str(cache) in why and source in why and other in why
+    # Changed bytes: the file's digest and the recorded one named.
+    changed = _overwrite_middle(cache, 10)
+    why = derived.problem(cache, source)
+    assert why is not None and str(cache) in why and changed in why and written in why
+    # A record copied beside another file does not vouch for it.
+    twin = tmp_path / "n.cache"
+    twin.write_bytes(b"0123456789" * 100)
+    shutil.copyfile(derived.record_path(cache), derived.record_path(twin))
+    why = derived.problem(twin, source)
+    assert why is not None and "m.cache" in why
+    # No record (a cache written before records existed): not vouched for.
+    derived.record_path(cache).unlink()
+    why = derived.problem(cache, source)
+    assert why is not None and "no valid digest record" in why and source in why
+
+
+@pytest.fixture(scope="module")
+def smol_pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A copy of SmolLM2 with a manifest (so it loads "sha256 verified"), its bfloat16 weight
+    cache and tokenizer cache built, and the clean caches' output."""
+    src = real_model_path(SMOL)
+    gguf = tmp_path_factory.mktemp("smol-pristine") / src.name
+    shutil.copy2(src, gguf)
+    (gguf.parent / "manifest.json").write_text(json.dumps({"file": gguf.name, "sha256": SMOL_SHA}))
+    return gguf, _outputs(load_model(gguf, dtype="bfloat16", progress=False))
+
+
+@pytest.fixture
+def smol_copy(smol_pristine: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path:
+    """The pristine folder copied for one test (the GGUF hard-linked: it is never changed)."""
+    pristine = smol_pristine[0]
+
+    def copy(src: str, dst: str) -> None:
+        if src.endswith(".gguf"):
+            try:
+                os.link(src, dst)
+                return
+            except OSError:
+                pass
+        shutil.copy2(src, dst)
+
+    shutil.copytree(pristine.parent, tmp_path / "model", copy_function=copy)
+    return tmp_path / "model" / pristine.name
+
+
+def _outputs(model: Model) -> dict[str, Any]:
+    tok = model.tokenizer
+    assert tok is not None
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three primes."}])
+    ids = tok.encode(prompt)
+    out = Engine(model).generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    return {
+        "prompt": prompt,
+        "ids": ids,
+        "tokens": out.token_ids,
+        "text": out.text,
+        "fingerprint": tok.fingerprint(),
+        "eos": tok.eos_token_ids,
+    }
+
+
+class _Rebuilds:
+    """Counts dequantizations of the GGUF and tokenizer conversions during a load."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.weights = self.tokenizer = 0
+        load_gguf, convert = model_module.load_gguf, tokenizer_module._convert_gguf
+
+        def counted_load(*args: Any, **kwargs: Any) -> Any:
+            self.weights += 1
+            return load_gguf(*args, **kwargs)
+
+        def counted_convert(*args: Any, **kwargs: Any) -> Any:
+            self.tokenizer += 1
+            return convert(*args, **kwargs)
+
+        monkeypatch.setattr(model_module, "load_gguf", counted_load)
+        monkeypatch.setattr(tokenizer_module, "_convert_gguf", counted_convert)
+
+
+def _load_warnings(
+    gguf: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> tuple[Model, list[str]]:
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="speculant.models"):
+        model = load_model(gguf, dtype="bfloat16", progress=True)
+    assert "sha256 verified" in capsys.readouterr().err
+    return model, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.real
+def test_tampered_weight_cache_is_rebuilt(
+    smol_pristine: tuple[Path, dict[str, Any]],
+    smol_copy: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = weight_cache.cache_path(smol_copy, "bfloat16")
+    recorded = json.loads(derived.record_path(cache).read_text())["sha256"]
+    tampered = _overwrite_middle(cache, 8 << 20)  # 8 MiB of the 269 MB bfloat16 weights
+    rebuilds = _Rebuilds(monkeypatch)
+    model, warnings = _load_warnings(smol_copy, caplog, capsys)
+    assert len(warnings) == 1, warnings
+    assert str(cache) in warnings[0] and tampered in warnings[0] and recorded in warnings[0]
+    assert "rebuilding" in warnings[0]
+    assert (rebuilds.weights, rebuilds.tokenizer) == (1, 0)
+    assert _outputs(model) == smol_pristine[1]
+    # Rebuilt in place with a new record (safetensors may order the header's metadata
+    # differently, so the bytes need not equal the first build's), and the next load uses it.
+    assert derived.problem(cache, SMOL_SHA) is None
+    assert json.loads(derived.record_path(cache).read_text())["sha256"] != tampered
+    model, warnings = _load_warnings(smol_copy, caplog, capsys)
+    assert warnings == [] and rebuilds.weights == 1
+    assert not [p for p in smol_copy.parent.iterdir() if p.name.endswith((".partial", ".tmp"))]
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", TOKENIZER_FILES)
+def test_tampered_tokenizer_cache_is_rebuilt(
+    name: str,
+    smol_pristine: tuple[Path, dict[str, Any]],
+    smol_copy: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = smol_copy.with_name(smol_copy.stem + ".tokenizer") / name
+    recorded = json.loads(derived.record_path(path).read_text())["sha256"]
+    tampered = _overwrite_middle(path, 32)
+    rebuilds = _Rebuilds(monkeypatch)
+    model, warnings = _load_warnings(smol_copy, caplog, capsys)
+    assert len(warnings) == 1, warnings
+    assert str(path) in warnings[0] and tampered in warnings[0] and recorded in warnings[0]
+    assert (rebuilds.weights, rebuilds.tokenizer) == (0, 1)
+    assert _outputs(model) == smol_pristine[1]
+    assert derived.problem(path, SMOL_SHA) is None
+    assert registry.sha256_file(path) != tampered
+    model, warnings = _load_warnings(smol_copy, caplog, capsys)
+    assert warnings == [] and rebuilds.tokenizer == 1
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.real
+def test_caches_built_from_another_source_are_rebuilt(
+    smol_pristine: tuple[Path, dict[str, Any]],
+    smol_copy: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Records that bind the (intact) caches to another GGUF's digest: not used."""
+    other = "0123abcd" * 8
+    cache = weight_cache.cache_path(smol_copy, "bfloat16")
+    tok_dir = smol_copy.with_name(smol_copy.stem + ".tokenizer")
+    records = [derived.record_path(p) for p in (cache, *(tok_dir / n for n in TOKENIZER_FILES))]
+    for record in records:
+        data = json.loads(record.read_text())
+        record.write_text(json.dumps({**data, "source_sha256": other}))
+    rebuilds = _Rebuilds(monkeypatch)
+    model, warnings = _load_warnings(smol_copy, caplog, capsys)
+    # The weight cache and the tokenizer meta (read first; the tokenizer is then rebuilt).
+    assert len(warnings) == 2, warnings
+    named = [str(cache), str(tok_dir / "speculant_tokenizer.json")]
+    for where, line in zip(named, warnings, strict=True):
+        assert where in line and other in line and SMOL_SHA in line
+    assert (rebuilds.weights, rebuilds.tokenizer) == (1, 1)
+    assert _outputs(model) == smol_pristine[1]
+    for record in records:
+        assert json.loads(record.read_text())["source_sha256"] == SMOL_SHA
+    _, warnings = _load_warnings(smol_copy, caplog, capsys)
+    assert warnings == [] and (rebuilds.weights, rebuilds.tokenizer) == (1, 1)

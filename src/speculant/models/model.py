@@ -223,23 +223,25 @@ def _load_path(
     if quant == "gguf":
         verified = registry.check_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_gguf_native(path)  # memory-mapped: nothing to wait for
-        tokenizer = Tokenizer.from_gguf(path)
+        tokenizer = Tokenizer.from_gguf(path, source_sha256=_source_digest(path, progress))
     elif path.is_dir():
         verified = registry.check_folder_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_hf_dir(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.suffix == ".gguf":
         verified = registry.check_integrity(path, trust_unverified=trust, progress=progress)
+        # The caches derived from the GGUF are bound to its digest and hashed before use.
+        digest = _source_digest(path, progress)
         label = weight_cache.dtype_label(dtype, quant)
-        cached = weight_cache.load(path, label)
+        cached = weight_cache.load(path, label, digest)
         if cached is not None:
             config, weights = cached
         else:
             config, weights = _load_gguf_with_progress(path, dtype, progress, name)
             if quant:
                 weights.quantize(quant)
-            weight_cache.save(path, label, config, weights)
-        tokenizer = Tokenizer.from_gguf(path)
+            weight_cache.save(path, label, config, weights, digest)
+        tokenizer = Tokenizer.from_gguf(path, source_sha256=digest)
     else:
         raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face folder")
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
@@ -259,6 +261,13 @@ def _load_path(
             file=sys.stderr,
         )
     return Model(name, config, net, tokenizer, source=path)
+
+
+def _source_digest(path: Path, progress: bool) -> str:
+    """The GGUF's SHA-256, which the caches derived from it are bound to: the digest
+    check_integrity has just verified (remembered beside the file, so no second hash),
+    or, for a file nothing vouches for, its own (hashed once, then remembered)."""
+    return registry.file_sha256(path, progress=progress)
 
 
 def _load_gguf_with_progress(

@@ -48,6 +48,7 @@ __all__ = [
     "list_models",
     "model_path",
     "pull",
+    "sha256_file",
     "speculant_home",
     "verify",
 ]
@@ -258,6 +259,11 @@ def _sha256_file(path: Path, *, progress: bool, label: str) -> str:
             if prog is not None and task is not None:
                 prog.advance(task, len(block))
     return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file, hashed now (streamed, no progress bar, nothing remembered)."""
+    return _sha256_file(path, progress=False, label=path.name)
 
 
 @contextmanager

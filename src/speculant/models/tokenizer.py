@@ -9,7 +9,9 @@ templates. Two sources are supported:
   ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` exactly. The result is cached next to
   the GGUF file in ``<stem>.tokenizer/`` (a ``tokenizer.json`` plus a small json with the special
   ids and the chat template), keyed by the file's size and mtime; later loads only need the
-  ``tokenizers`` library and take a fraction of a second.
+  ``tokenizers`` library and take a fraction of a second. Each cache file has a digest record
+  (``<file>.source.json``) binding its SHA-256 to the GGUF's; a file that differs from its
+  record, or was built from another GGUF, is reported and rebuilt, never read.
 * Hugging Face model directories (``tokenizer.json``, ``tokenizer_config.json``, ...), loaded
   through ``AutoTokenizer`` when transformers is installed, else straight from ``tokenizer.json``.
 
@@ -19,7 +21,6 @@ Decoding, encoding and chat rendering follow transformers' semantics, but at run
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+
+from speculant.models import derived
 
 __all__ = ["StreamDecoder", "Tokenizer", "TokenizerError"]
 
@@ -253,23 +256,34 @@ class Tokenizer:
     # ----------------------------------------------------------------- loaders
 
     @classmethod
-    def from_gguf(cls, path: str | Path, *, use_cache: bool = True) -> Tokenizer:
-        """Tokenizer stored in a GGUF file's metadata (cached in ``<stem>.tokenizer/``)."""
+    def from_gguf(
+        cls, path: str | Path, *, use_cache: bool = True, source_sha256: str | None = None
+    ) -> Tokenizer:
+        """Tokenizer stored in a GGUF file's metadata (cached in ``<stem>.tokenizer/``).
+
+        The cache files are bound to ``source_sha256``, the GGUF's digest (the verified one
+        when the caller checked it; by default the file's own, remembered beside it by size
+        and mtime), and checked against their digest records before they are read."""
         path = Path(path)
         try:
             st = path.stat()
         except OSError as e:
             raise TokenizerError(f"cannot read GGUF file {path}: {e}") from e
+        if not use_cache:
+            backend_json, meta = _convert_gguf(path)
+            return _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
+        if source_sha256 is None:
+            from speculant.models.registry import file_sha256
+
+            source_sha256 = file_sha256(path, progress=False)
         cache_dir = path.with_name(path.stem + ".tokenizer")
         key = _cache_key(st)
-        if use_cache:
-            cached = _load_cache(cache_dir, key, source=str(path))
-            if cached is not None:
-                return cached
+        cached = _load_cache(cache_dir, key, path, source_sha256)
+        if cached is not None:
+            return cached
         backend_json, meta = _convert_gguf(path)
         tok = _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
-        if use_cache:
-            _write_cache(cache_dir, key, backend_json, meta, tok)
+        _write_cache(cache_dir, key, backend_json, meta, tok, path, source_sha256)
         return tok
 
     @classmethod
@@ -704,32 +718,47 @@ def _cache_key(st: os.stat_result) -> dict[str, Any]:
     }
 
 
-def _load_cache(cache_dir: Path, key: Mapping[str, Any], source: str) -> Tokenizer | None:
-    meta = _read_json(cache_dir / _CACHE_META_FILE)
-    if meta is None or meta.get("key") != dict(key):
+def _read_verified(path: Path, source: Path, source_sha256: str) -> bytes | None:
+    """The bytes of a cache file when they match its digest record bound to source_sha256;
+    None (after one warning line naming the file and both digests) when they do not."""
+    if not path.is_file():
         return None
     try:
-        data = (cache_dir / _CACHE_TOKENIZER_FILE).read_bytes()
+        data = path.read_bytes()
+    except OSError as e:
+        logger.warning("ignoring unreadable tokenizer cache %s: %s", path, e)
+        return None
+    why = derived.problem(path, source_sha256, data=data)
+    if why is not None:
+        logger.warning("tokenizer cache not used: %s; rebuilding it from %s", why, source.name)
+        return None
+    return data
+
+
+def _load_cache(
+    cache_dir: Path, key: Mapping[str, Any], source: Path, source_sha256: str
+) -> Tokenizer | None:
+    # Both files are hashed from the bytes that are then parsed: nothing unchecked is read.
+    meta_bytes = _read_verified(cache_dir / _CACHE_META_FILE, source, source_sha256)
+    if meta_bytes is None:
+        return None
+    try:
+        meta = json.loads(meta_bytes.decode("utf-8"))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("key") != dict(key):
+        return None
+    data = _read_verified(cache_dir / _CACHE_TOKENIZER_FILE, source, source_sha256)
+    if data is None:
+        return None
+    try:
         if hashlib.sha256(data).hexdigest() != meta.get("tokenizer_sha256"):
             return None
         backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # corrupt cache: rebuild
         logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, e)
         return None
-    return _from_meta(backend, meta, source=source)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    return _from_meta(backend, meta, source=str(source))
 
 
 def _write_cache(
@@ -737,7 +766,9 @@ def _write_cache(
     key: Mapping[str, Any],
     backend_json: str,
     meta: Mapping[str, Any],
-    tok: Tokenizer | None = None,
+    tok: Tokenizer | None,
+    source: Path,
+    source_sha256: str,
 ) -> None:
     data = backend_json.encode("utf-8")
     full_meta = dict(meta)
@@ -748,11 +779,15 @@ def _write_cache(
     full_meta["tokenizer_sha256"] = hashlib.sha256(data).hexdigest()
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        # tokenizer.json first, then the meta that vouches for it (by hash): a reader never
-        # accepts a half-written or mismatched pair.
-        _atomic_write(cache_dir / _CACHE_TOKENIZER_FILE, data)
-        meta_blob = json.dumps(full_meta, ensure_ascii=False, indent=1).encode("utf-8")
-        _atomic_write(cache_dir / _CACHE_META_FILE, meta_blob)
+        # Each file, then its digest record (bound to the GGUF's digest); tokenizer.json
+        # before the meta that vouches for it (by hash): a reader never accepts a
+        # half-written or mismatched pair.
+        for name, blob in (
+            (_CACHE_TOKENIZER_FILE, data),
+            (_CACHE_META_FILE, json.dumps(full_meta, ensure_ascii=False, indent=1).encode()),
+        ):
+            derived.atomic_write(cache_dir / name, blob)
+            derived.write_record(cache_dir / name, source, source_sha256, data=blob)
     except OSError as e:
         logger.warning("could not write tokenizer cache %s: %s", cache_dir, e)
 

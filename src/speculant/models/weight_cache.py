@@ -2,22 +2,29 @@
 
 Dequantizing the 1.5B Q4_K_M model takes ~30 s on 2 cores; reading the converted
 tensors back takes a few seconds. The cache is keyed by the GGUF's size and mtime and
-by the target format; it is written atomically and ignored (with a warning) when the
-folder is read-only or the entry is stale or broken.
+by the target format, and bound by a digest record (``<file>.source.json``, see
+``speculant.models.derived``) to its own SHA-256 and the GGUF's: before a tensor is read
+the file is hashed again, and one that differs from its record, or was built from
+another GGUF, is reported in one line and rebuilt from the GGUF. It is written
+atomically and ignored (with a warning) when the folder is read-only or the entry is
+stale or broken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from speculant.models import derived
 from speculant.models.config import ModelConfig
 from speculant.models.decoder import Int4Weight, Int8Weight, LayerWeights, Weights
 
@@ -73,26 +80,44 @@ def _get(tensors: dict[str, Tensor], name: str) -> Tensor | Int8Weight | Int4Wei
     return None
 
 
-def save(gguf: Path, label: str, config: ModelConfig, weights: Weights) -> None:
+def save(gguf: Path, label: str, config: ModelConfig, weights: Weights, source_sha256: str) -> None:
+    """Write the cache file atomically, then its digest record bound to source_sha256
+    (the GGUF's digest); a folder that cannot be written only costs a warning."""
     from safetensors.torch import save_file
 
     target = cache_path(gguf, label)
-    tmp = target.with_suffix(".partial")
     meta = {"key": json.dumps(_key(gguf, label)), "config": json.dumps(dataclasses.asdict(config))}
+    tmp: Path | None = None
     try:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=gguf.parent)
+        os.close(fd)
+        tmp = Path(name)
         save_file(_flatten(weights), str(tmp), metadata=meta)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, target)
+        tmp = None
+        derived.write_record(target, gguf, source_sha256)
     except OSError as exc:
         log.warning("could not cache converted weights at %s: %s", target, exc)
-        tmp.unlink(missing_ok=True)
+        # No file left half-written, nor one without its record.
+        with contextlib.suppress(OSError):
+            (tmp if tmp is not None else target).unlink(missing_ok=True)
 
 
-def load(gguf: Path, label: str) -> tuple[ModelConfig, Weights] | None:
+def load(gguf: Path, label: str, source_sha256: str) -> tuple[ModelConfig, Weights] | None:
+    """The cached weights of `gguf` in format `label`, or None when there is no usable
+    entry. The file is hashed and checked against its digest record, bound to
+    source_sha256 (the GGUF's verified digest), before anything in it is read; a
+    mismatch is logged in one line naming the file and both digests."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     path = cache_path(gguf, label)
     if not path.is_file():
+        return None
+    why = derived.problem(path, source_sha256)
+    if why is not None:
+        log.warning("weight cache not used: %s; rebuilding it from %s", why, gguf.name)
         return None
     try:
         with safe_open(str(path), framework="pt") as f:
