@@ -11,7 +11,7 @@ setup(
         Extension(
             "speculant._kernels",
             sources=["src/speculant/native/kernels.c"],
-            depends=["src/speculant/native/tiles512.h"],
+            depends=["src/speculant/native/tiles.h"],
             define_macros=[("SPEC_PYTHON_MODULE", "1")],
             # -ffp-contract=off: no fused multiply-adds behind our back, so the portable
             # and the vector paths round identically (tests compare them bitwise).

@@ -47,9 +47,20 @@ def measure(
     cache = model.new_cache(context + max(widths) + new + 8)
     model.prefill(ids, cache)
 
+    defaults = {knob: native.tune(knob, 0) for knob in native.TUNING_KNOBS} if any(paths) else {}
+    for knob, value in defaults.items():
+        native.tune(knob, value)
+
     def use(path: str) -> None:
+        """`path` is a kernel path, optionally with tuning knobs: avx512vnni+one_col_rows=4"""
         if path:
-            native.set_path(path)
+            name, *knobs = path.split("+")
+            native.set_path(name)
+            for knob, value in defaults.items():
+                native.tune(knob, value)
+            for item in knobs:
+                knob, _, value = item.partition("=")
+                native.tune(knob, int(value))
 
     rows = {path: {"dtype": dtype, "path": path, "pass_ms": {}} for path in paths}
     try:
@@ -82,6 +93,8 @@ def measure(
     finally:
         if any(paths):
             native.set_path("auto")
+            for knob, value in defaults.items():
+                native.tune(knob, value)
     return list(rows.values())
 
 
@@ -96,7 +109,8 @@ def main() -> None:
     p.add_argument(
         "--paths",
         default="",
-        help="native kernel paths to compare for gguf, taking turns (e.g. avx2,avx512vnni);"
+        help="native kernel paths to compare for gguf, taking turns (e.g. avx2,avx512vnni),"
+        " each optionally with tuning knobs (avx512vnni+one_col_rows=4+prefetch_bytes=4096);"
         " default: the one the CPU picks",
     )
     p.add_argument("--out", type=Path, default=Path("bench-out/pass"))

@@ -104,8 +104,9 @@ def test_row_alone_equals_row_in_any_batch(ggml_type: int, path: str) -> None:
 @pytest.mark.parametrize("ggml_type", TYPES, ids=NAMES)
 @pytest.mark.parametrize("m", [1, 4, 9])
 def test_code_paths_agree_bitwise(ggml_type: int, m: int) -> None:
-    """Every path this CPU has equals the portable C code bit for bit; legacy rows of an
-    odd block count (33) take the AVX-512 tiles' single-block tail."""
+    """Every path this CPU has equals the portable C code bit for bit: 33 columns (two-
+    column tiles and a one-column tail), 1 / 4 / 9 rows (one tile of 1 or 4 rows, or
+    tiles of 4 with a tail), legacy rows of 33 blocks (a last group padded to 8 blocks)."""
     n = 33
     k = 1024 if ggml_type in (native.Q4_K, native.Q6_K) else 33 * 32
     raw = random_matrix(ggml_type, n, k, seed=5)

@@ -73,7 +73,7 @@ class Weights:
             elif isinstance(value, Int4Weight):
                 out.extend([value.packed, value.scales_zeros])
             elif isinstance(value, GGUFWeight):
-                out.extend(data for _, data, _ in value.matrix.parts)
+                out.extend(value.matrix.tensors())
             elif isinstance(value, Tensor):
                 out.append(value)
         return out

@@ -409,14 +409,16 @@ def load_gguf_native(
             raise ModelLoadError(f"tensor {name!r} is missing")
         return name
 
-    def projection(*names: str) -> Tensor | GGUFWeight:
+    def projection(*names: str, lookup: bool = False) -> Tensor | GGUFWeight:
+        """`lookup`: an embedding table, read by row (packed only if also multiplied)."""
         parts = [stored(n) for n in names]
         for _ in names:
             tick()
         if any(p is None for p in parts):
             return torch.cat([_dequantized(index, config, n) for n in names]).contiguous()
         k = int(index.tensors[names[0]].shape[0])
-        return GGUFWeight(NativeMatrix([p for p in parts if p is not None], k))
+        matrix = NativeMatrix([p for p in parts if p is not None], k, keep_stored=lookup)
+        return GGUFWeight(matrix if lookup else matrix.pack())
 
     def need_vec(role: str, i: int | None = None) -> Tensor:
         tick()
@@ -426,10 +428,12 @@ def load_gguf_native(
         present = _GGUF_NAMES[role].format(i=i) in index.tensors
         return need_vec(role, i) if wanted and present else None
 
-    emb = projection(need("embed"))
+    emb = projection(need("embed"), lookup=True)
     output = emb
     if not config.tie_embeddings:
         output = projection(need("output"))
+    elif isinstance(emb, GGUFWeight):
+        emb.matrix.pack()  # the LM head too
     layers = []
     for i in range(config.n_layers):
         bias = None

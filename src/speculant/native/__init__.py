@@ -2,15 +2,17 @@
 
 `pip install` compiles `kernels.c` into the extension module `speculant._kernels` with the
 system C compiler (see setup.py). The library picks its code path at run time from the
-CPU's instruction sets (AVX2 + FMA, else portable C; the AVX-512 and AVX-512 VNNI paths
-are bitwise equal but not yet faster, so only `set_path` selects them). `set_path` forces
-a path, for tests and benchmarks. When the library is missing, `available()` is False and
-`why_missing()` says why, and Speculant runs its PyTorch paths instead.
+CPU's instruction sets (AVX-512 VNNI, else AVX2 + FMA, else portable C; the AVX-512 path
+without VNNI is bitwise equal but measured no faster than AVX2, so only `set_path`
+selects it). `set_path` forces a path, for tests and benchmarks. When the library is
+missing, `available()` is False and `why_missing()` says why, and Speculant runs its
+PyTorch paths instead.
 
 The kernels compute y = x @ W.T over GGUF-quantized weights in their stored formats
-(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), with float32 activations quantized per row to int8
-on the way in (as llama.cpp does). A row's result never depends on the other rows of the
-call, the thread count or the code path: see the comment at the top of kernels.c.
+(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; repacked exactly at load, see NativeMatrix), with
+float32 activations quantized per row to int8 on the way in (as llama.cpp does). A row's
+result never depends on the other rows of the call, the thread count or the code path:
+see the comment at the top of kernels.c.
 """
 
 from __future__ import annotations
@@ -79,8 +81,15 @@ def _load() -> Any:
     lib.spec_set_path.argtypes = [c_int]
     lib.spec_set_path.restype = c_int
     lib.spec_active_path.restype = c_int
+    lib.spec_tune.argtypes = [c_int, c_int]
+    lib.spec_tune.restype = c_int
     lib.spec_row_bytes.argtypes = [c_int, i64]
     lib.spec_row_bytes.restype = i64
+    lib.spec_packed_row_bytes.argtypes = [c_int, i64]
+    lib.spec_packed_row_bytes.restype = i64
+    # (type, src, rows, K, dst, threads)
+    lib.spec_repack.argtypes = [c_int, p, i64, i64, p, c_int]
+    lib.spec_repack.restype = c_int
     # (nparts, types[], weights[], ns[], K, x, m, y, ldy, threads)
     lib.spec_linear.argtypes = [c_int, p, p, p, i64, p, i64, p, i64, c_int]
     lib.spec_linear.restype = c_int
@@ -134,6 +143,20 @@ def active_path() -> str:
     return _PATH_NAMES[_need().spec_active_path()]
 
 
+TUNING_KNOBS = {"one_col_rows": 0, "prefetch_bytes": 1}
+
+
+def tune(knob: str, value: int) -> int:
+    """Set a kernel tuning knob for benchmarks (results never depend on it); returns the
+    old value. `one_col_rows`: passes of up to this many rows use one-column tiles;
+    `prefetch_bytes`: how far ahead a one-tile pass asks for weights."""
+    if knob not in TUNING_KNOBS:
+        raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
+    if value < 0:
+        raise ValueError(f"{knob}={value}: a value >= 0 is wanted")
+    return int(_need().spec_tune(TUNING_KNOBS[knob], value))
+
+
 def row_bytes(ggml_type: int, k: int) -> int:
     if ggml_type not in BLOCK:
         return 0
@@ -144,13 +167,20 @@ def row_bytes(ggml_type: int, k: int) -> int:
 class NativeMatrix:
     """One or more stored GGUF matrices [n_i, K] whose outputs are concatenated (a fused
     projection whose parts may have different formats). `data` are uint8 arrays or
-    tensors holding each part's rows; they are kept alive here."""
+    tensors holding each part's rows as the file stores them.
 
-    def __init__(self, parts: list[tuple[int, Any, int]], k: int) -> None:
+    The kernels read a packed copy: each part's codes permuted so that a vector lane
+    collects one scale group (exact, nothing requantized; see kernels.c), made when the
+    matrix is first multiplied, or at once with `pack()`. `keep_stored=False` lets the
+    stored rows go once packed (a projection that is never looked up by row); `rows()`
+    needs them."""
+
+    def __init__(self, parts: list[tuple[int, Any, int]], k: int, keep_stored: bool = True) -> None:
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"{len(parts)} parts: between 1 and {MAX_PARTS} are allowed")
         self.k = k
-        self.parts = []
+        self.keep_stored = keep_stored
+        self.parts: list[tuple[int, Tensor, int]] = []
         for ggml_type, data, n in parts:
             if ggml_type not in SUPPORTED_TYPES:
                 raise ValueError(
@@ -177,12 +207,42 @@ class NativeMatrix:
         self.n = sum(n for _, _, n in self.parts)
         count = len(self.parts)
         self._types = (ctypes.c_int * count)(*[p[0] for p in self.parts])
-        self._ptrs = (ctypes.c_void_p * count)(*[p[1].data_ptr() for p in self.parts])
         self._ns = (ctypes.c_int64 * count)(*[p[2] for p in self.parts])
+        self.packed: list[Tensor] | None = None
+        self._ptrs: Any = None
+
+    def pack(self, threads: int | None = None) -> NativeMatrix:
+        """Make the packed copy the kernels read (once); returns self."""
+        if self.packed is not None:
+            return self
+        lib = _need()
+        packed = []
+        for ggml_type, data, n in self.parts:
+            out = torch.empty(n * lib.spec_packed_row_bytes(ggml_type, self.k), dtype=torch.uint8)
+            rc = lib.spec_repack(
+                ggml_type,
+                data.data_ptr(),
+                n,
+                self.k,
+                out.data_ptr(),
+                threads if threads is not None else THREADS,
+            )
+            if rc != 0:
+                raise RuntimeError(f"native repack failed with code {rc}")
+            packed.append(out)
+        self.packed = packed
+        self._ptrs = (ctypes.c_void_p * len(packed))(*[t.data_ptr() for t in packed])
+        if not self.keep_stored:
+            self.parts = [(t, torch.empty(0, dtype=torch.uint8), n) for t, _, n in self.parts]
+        return self
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors this matrix holds (stored rows where kept, the packed copy where made)."""
+        return [d for _, d, _ in self.parts if d.numel()] + list(self.packed or [])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() for _, t, _ in self.parts)
+        return sum(t.numel() for t in self.tensors())
 
     def matmul(self, x: Tensor, threads: int | None = None) -> Tensor:
         """x [m, K] float32 -> [m, n] float32."""
@@ -196,6 +256,7 @@ class NativeMatrix:
         y = torch.empty(m, self.n, dtype=torch.float32)
         if m == 0:
             return y
+        self.pack()
         rc = lib.spec_linear(
             len(self.parts),
             ctypes.addressof(self._types),
@@ -215,6 +276,8 @@ class NativeMatrix:
     def rows(self, ids: Tensor) -> Tensor:
         """Dequantized rows `ids` (indices into the concatenated rows) [len(ids), K]."""
         lib = _need()
+        if not self.keep_stored:
+            raise RuntimeError("this matrix keeps only its packed copy: no rows to look up")
         ids = ids.reshape(-1).to(torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise IndexError(f"row ids must lie in [0, {self.n})")

@@ -1,6 +1,7 @@
 /*
  * Speculant's native CPU kernels: matrix products over GGUF-quantized weights, executed
- * in their stored formats (no dequantized copy), for 1..many activation rows.
+ * in their stored formats (repacked exactly at load: the same codes and scales, permuted
+ * so that a vector lane collects one scale group), for 1..many activation rows.
  *
  *   y[r, n] = sum_k x[r, k] * W[n, k]      x float32 [m, K], W one or more GGUF parts
  *
@@ -11,10 +12,11 @@
  *   - integer block dot products are exact, so their grouping does not matter;
  *   - every float operation (the per-block scaling and the accumulation over blocks)
  *     happens in one fixed order per (row, column), the same in the portable C path, the
- *     AVX2 path and the AVX-512 paths (no fused multiply-add, -ffp-contract=off);
+ *     AVX2 path and the AVX-512 paths: fused multiply-adds only where written (fmaf /
+ *     vfmadd, one rounding either way), none made by the compiler (-ffp-contract=off);
  *   - threads split the output columns only; rows are tiled for weight reuse, but each
  *     row keeps its own accumulators.
- * Tests check all three with torch.equal.
+ * Tests check every path against the portable one with torch.equal.
  *
  * The library is loaded with ctypes; the module init below only exists so that the
  * build system can build it as an ordinary extension module.
@@ -50,7 +52,8 @@ enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_AV
 enum { FEAT_AVX2 = 1, FEAT_AVX512 = 2, FEAT_AVX512VNNI = 4 };
 #define PATH_LAST PATH_AVX512VNNI
 
-#define MAX_ROWS_TILE 4
+#define MAX_ROWS_TILE 8 /* rows of the tallest tile */
+#define MANY_ROWS_TILE 4 /* rows of a tile in passes of many rows */
 #define MAX_PARTS 8
 
 /* ------------------------------------------------------------------ scalar helpers */
@@ -110,62 +113,6 @@ static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
         *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
         *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
-}
-
-/* ------------------------------------------------------------ activation quantizing */
-/* Legacy-format activations: 32 values per block. */
-typedef struct {
-    float d;      /* scale */
-    float s;      /* d * sum(q), for the Q4_1 min term */
-    int8_t q[32];
-} xq32;
-
-/* K-quant activations: 256 values per block, sums of each 16. */
-typedef struct {
-    float d;
-    int16_t bsums[16];
-    int8_t q[256];
-} xq256;
-
-static void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float a = fabsf(x[i]);
-        amax = a > amax ? a : amax;
-    }
-    float d = amax / 127.0f;
-    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < n; i++) {
-        float v = nearbyintf(x[i] * id);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[i] = (int8_t)v;
-    }
-    *d_out = d;
-}
-
-static void quantize_row32(const float *x, int64_t K, xq32 *out) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        quantize_block(x + b * 32, 32, &out[b].d, out[b].q);
-        int sum = 0;
-        for (int i = 0; i < 32; i++) sum += out[b].q[i];
-        out[b].s = out[b].d * (float)sum;
-    }
-}
-
-static void quantize_row256(const float *x, int64_t K, xq256 *out) {
-    for (int64_t b = 0; b < K / 256; b++) {
-        quantize_block(x + b * 256, 256, &out[b].d, out[b].q);
-        for (int j = 0; j < 16; j++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += out[b].q[j * 16 + i];
-            out[b].bsums[j] = (int16_t)sum;
-        }
-    }
-}
-
-/* The fixed order in which the 8 lane accumulators of the legacy formats are added. */
-static inline float hsum8(const float a[8]) {
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
 /* ------------------------------------------------------------- weight block decoding */
@@ -275,21 +222,237 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
     }
 }
 
+/* -------------------------------------------------------------- repacked weights */
+/*
+ * Every matrix is repacked once at load, exactly: the codes are permuted and the scales
+ * kept as stored, nothing is requantized. A 256-value unit (a K-quant block, or a group
+ * of 8 legacy blocks of 32) is seen as 8 "registers" of 32 bytes; byte j = 4l + b of
+ * register t belongs to 32-bit lane l. The permutation puts one scale group in each lane,
+ * so a lane's integer dot product (4 byte products per register, summed over registers)
+ * needs its scale once per unit instead of once per register:
+ *   Q4_K and legacy groups ("by 32"): register t, lane l, byte b holds value 32l + 4t + b
+ *     (lane l: the 32-value sub-block l, or legacy block l);
+ *   Q6_K ("by 16"): register t, lane l, byte b holds value 16 (l + 8 (t >> 2)) + 4 (t & 3)
+ *     + b: registers 0-3 cover the 16-value groups 0-7 (lane l: group l), registers 4-7
+ *     the groups 8-15 (lane l: group 8 + l).
+ * The activations are quantized into the same orders (quantize_row_k / quantize_row_g).
+ *
+ * Packed units (codes unsigned; nibble pairs put register c in the low and c + 4 in the
+ * high nibble of byte j of chunk c):
+ *   Q4_K 144 B: d, dmin, the 12 scale bytes as stored, 4 nibble chunks of 32 B.
+ *   Q6_K 210 B: 4 nibble chunks (low 4 bits), 2 chunks of 32 B with the high 2 bits of
+ *     registers 4h .. 4h + 3 at bits 0-1, 2-3, 4-5, 6-7 of chunk h, the 16 int8 scales, d.
+ *   Q4_0 144 B: 8 fp16 scales, 4 nibble chunks (codes 0..15, value = d (code - 8)).
+ *   Q4_1 160 B: 8 fp16 scales, 8 fp16 mins, 4 nibble chunks.
+ *   Q5_0 176 B: 8 fp16 scales, 32 B of high bits (bit t of byte j: register t), 4 nibble
+ *     chunks (codes 0..31, value = d (code - 16)).
+ *   Q8_0 272 B: 8 fp16 scales, 8 registers of codes w + 128 (value = d (code - 128)).
+ * A row's last legacy group is padded with zero blocks (zero scales and codes).
+ */
+static inline int by32(int t, int l, int b) { return 32 * l + 4 * t + b; }
+static inline int by16(int t, int l, int b) { return 16 * (l + 8 * (t >> 2)) + 4 * (t & 3) + b; }
+
+/* Bytes of a packed 256-value unit. */
+static int unit_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 16 + 128;
+    case T_Q4_1: return 32 + 128;
+    case T_Q5_0: return 16 + 32 + 128;
+    case T_Q8_0: return 16 + 256;
+    case T_Q4_K: return 144;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* Units per row of K values: 256-value blocks, or groups of 8 legacy blocks. */
+static inline int64_t row_units(int type, int64_t K) {
+    return is_kquant(type) ? K / 256 : (K / 32 + 7) / 8;
+}
+
+/* The offset a legacy format's unsigned code carries (value = d (code - offset)). */
+static inline int legacy_offset(int type) {
+    return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? 128 : 0;
+}
+
+static void repack_kquant(int type, const uint8_t *blk, uint8_t *out) {
+    uint8_t q[256];
+    if (type == T_Q4_K) {
+        int sc[8], mn[8];
+        float d, dmin;
+        decode_q4k(blk, q, sc, mn, &d, &dmin);
+        memcpy(out, blk, 16);
+        for (int c = 0; c < 4; c++)
+            for (int j = 0; j < 32; j++)
+                out[16 + 32 * c + j] = (uint8_t)(q[by32(c, j >> 2, j & 3)] |
+                                                 (q[by32(c + 4, j >> 2, j & 3)] << 4));
+        return;
+    }
+    int8_t sc[16];
+    float d;
+    decode_q6k(blk, q, sc, &d);
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 32; j++)
+            out[32 * c + j] = (uint8_t)((q[by16(c, j >> 2, j & 3)] & 15) |
+                                        ((q[by16(c + 4, j >> 2, j & 3)] & 15) << 4));
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 32; j++) {
+            int v = 0;
+            for (int i = 0; i < 4; i++) v |= ((q[by16(4 * h + i, j >> 2, j & 3)] >> 4) & 3) << (2 * i);
+            out[128 + 32 * h + j] = (uint8_t)v;
+        }
+    memcpy(out + 192, blk + 192, 18);
+}
+
+/* One group of up to 8 legacy blocks (nblk of them; the rest are zero). */
+static void repack_group(int type, const uint8_t *blks, int nblk, uint8_t *out) {
+    int per;
+    const int bb = type_block(type, &per);
+    const int off = legacy_offset(type);
+    uint8_t code[8][32];
+    memset(out, 0, (size_t)unit_bytes(type));
+    memset(code, 0, sizeof code);
+    for (int l = 0; l < nblk; l++) {
+        const uint8_t *blk = blks + l * bb;
+        int8_t q[32];
+        float d, m;
+        decode_legacy(type, blk, q, &d, &m);
+        for (int i = 0; i < 32; i++) code[l][i] = (uint8_t)(q[i] + off);
+        memcpy(out + 2 * l, blk, 2);                          /* d */
+        if (type == T_Q4_1) memcpy(out + 16 + 2 * l, blk + 2, 2); /* m */
+    }
+    /* register t, byte j = 4l + b: value 4t + b of block l */
+#define CODE(t, j) code[(j) >> 2][4 * (t) + ((j) & 3)]
+    if (type == T_Q8_0) {
+        for (int t = 0; t < 8; t++)
+            for (int j = 0; j < 32; j++) out[16 + 32 * t + j] = CODE(t, j);
+        return;
+    }
+    uint8_t *nib = out + (type == T_Q4_1 ? 32 : type == T_Q5_0 ? 48 : 16);
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 32; j++)
+            nib[32 * c + j] = (uint8_t)((CODE(c, j) & 15) | ((CODE(c + 4, j) & 15) << 4));
+    if (type == T_Q5_0)
+        for (int j = 0; j < 32; j++) {
+            int v = 0;
+            for (int t = 0; t < 8; t++) v |= ((CODE(t, j) >> 4) & 1) << t;
+            out[16 + j] = (uint8_t)v;
+        }
+#undef CODE
+}
+
+/* Rows [r0, r1) of a stored [n, K] matrix into the packed layout. */
+static void repack_rows(int type, const uint8_t *src, int64_t K, int64_t r0, int64_t r1,
+                        uint8_t *dst) {
+    int per;
+    const int bb = type_block(type, &per);
+    const int64_t nunits = row_units(type, K), ub = unit_bytes(type);
+    const int64_t src_row = K / per * bb;
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *s = src + r * src_row;
+        uint8_t *o = dst + r * nunits * ub;
+        if (is_kquant(type)) {
+            for (int64_t u = 0; u < nunits; u++) repack_kquant(type, s + u * bb, o + u * ub);
+        } else {
+            const int64_t nb = K / 32;
+            for (int64_t u = 0; u < nunits; u++) {
+                int64_t left = nb - 8 * u;
+                repack_group(type, s + 8 * u * bb, left < 8 ? (int)left : 8, o + u * ub);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------ activation quantizing */
+/* K-quant activations: one 256-value block, codes in the packed register order. */
+typedef struct {
+    float d;
+    int16_t bsums[16]; /* sums of the codes of values 16i .. 16i + 15 */
+    int8_t q16[256];   /* the codes by 16 (for Q6_K) */
+    int8_t q32[256];   /* the codes by 32 (for Q4_K) */
+} xk_t;
+
+/* Legacy activations: a group of 8 blocks of 32, codes in the packed register order. */
+typedef struct {
+    float d[8];   /* scale of block l */
+    float s[8];   /* d[l] * bs[l], for the Q4_1 min term */
+    int32_t bs[8]; /* sum of block l's codes */
+    int8_t q[256];
+} xg_t;
+
+static void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    float d = amax / 127.0f;
+    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < n; i++) {
+        float v = nearbyintf(x[i] * id);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[i] = (int8_t)v;
+    }
+    *d_out = d;
+}
+
+static void quantize_row_k(const float *x, int64_t K, xk_t *out) {
+    for (int64_t b = 0; b < K / 256; b++) {
+        int8_t q[256];
+        quantize_block(x + b * 256, 256, &out[b].d, q);
+        for (int j = 0; j < 16; j++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += q[j * 16 + i];
+            out[b].bsums[j] = (int16_t)sum;
+        }
+        for (int t = 0; t < 8; t++)
+            for (int j = 0; j < 32; j++) {
+                out[b].q16[32 * t + j] = q[by16(t, j >> 2, j & 3)];
+                out[b].q32[32 * t + j] = q[by32(t, j >> 2, j & 3)];
+            }
+    }
+}
+
+static void quantize_row_g(const float *x, int64_t K, xg_t *out) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; g < (nb + 7) / 8; g++) {
+        xg_t *o = out + g;
+        memset(o, 0, sizeof *o);
+        for (int l = 0; l < 8 && 8 * g + l < nb; l++) {
+            int8_t q[32];
+            quantize_block(x + 32 * (8 * g + l), 32, &o->d[l], q);
+            int sum = 0;
+            for (int i = 0; i < 32; i++) sum += q[i];
+            o->bs[l] = sum;
+            o->s[l] = o->d[l] * (float)sum;
+            for (int t = 0; t < 8; t++)
+                for (int b = 0; b < 4; b++) o->q[32 * t + 4 * l + b] = q[4 * t + b]; /* by32 */
+        }
+    }
+}
+
+/* The fixed order in which 8 float lane accumulators are added. */
+static inline float hsum8(const float a[8]) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
 /* ------------------------------------------------------------------ the job layout */
 typedef struct {
     int type;
-    const uint8_t *w; /* rows of row_bytes */
+    const uint8_t *w; /* packed rows of row_bytes */
     int64_t n;        /* output columns of this part */
     int64_t col0;     /* first output column in y */
     int64_t row_bytes;
+    int64_t unit_bytes;
 } part_t;
 
 typedef struct {
     int nparts;
     part_t parts[MAX_PARTS];
     int64_t K, m, ldy;
-    const xq32 *x32;   /* [m][K/32] or NULL */
-    const xq256 *x256; /* [m][K/256] or NULL */
+    int64_t nk, ng;  /* K-quant blocks and legacy groups per row */
+    const xk_t *xk;  /* [m][nk] or NULL */
+    const xg_t *xg;  /* [m][ng] or NULL */
     float *y;
     int64_t chunk_cols;
     int64_t nchunks;
@@ -301,168 +464,128 @@ typedef struct {
 } job_t;
 
 /* ---------------------------------------------------------------- portable kernels */
-static void legacy_cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t c1) {
-    const int64_t nb = jb->K / 32;
-    for (int64_t r0 = 0; r0 < jb->m; r0 += MAX_ROWS_TILE) {
-        int64_t R = jb->m - r0 < MAX_ROWS_TILE ? jb->m - r0 : MAX_ROWS_TILE;
-        for (int64_t c = c0; c < c1; c++) {
-            const uint8_t *row = p->w + c * p->row_bytes;
+/* The 8 registers of a packed unit as unsigned codes, register t at reg[32 t ...]. */
+static void unpack_unit(int type, const uint8_t *u, uint8_t reg[256]) {
+    if (type == T_Q8_0) {
+        memcpy(reg, u + 16, 256);
+        return;
+    }
+    const uint8_t *nib = type == T_Q4_K ? u + 16
+                         : type == T_Q6_K ? u
+                         : u + (type == T_Q4_1 ? 32 : type == T_Q5_0 ? 48 : 16);
+    for (int c = 0; c < 4; c++)
+        for (int j = 0; j < 32; j++) {
+            reg[32 * c + j] = nib[32 * c + j] & 15;
+            reg[32 * (c + 4) + j] = nib[32 * c + j] >> 4;
+        }
+    if (type == T_Q6_K)
+        for (int t = 0; t < 8; t++)
+            for (int j = 0; j < 32; j++)
+                reg[32 * t + j] |= (uint8_t)(((u[128 + 32 * (t >> 2) + j] >> (2 * (t & 3))) & 3) << 4);
+    if (type == T_Q5_0)
+        for (int t = 0; t < 8; t++)
+            for (int j = 0; j < 32; j++) reg[32 * t + j] |= (uint8_t)(((u[16 + j] >> t) & 1) << 4);
+}
+
+/* Lane sums over registers 0-3 (lo) and 4-7 (hi): what the vector paths' two
+ * accumulators hold. */
+static void lane_dots(const uint8_t reg[256], const int8_t *x, int32_t lo[8], int32_t hi[8]) {
+    for (int l = 0; l < 8; l++) {
+        lo[l] = 0;
+        hi[l] = 0;
+    }
+    for (int t = 0; t < 8; t++)
+        for (int l = 0; l < 8; l++) {
+            int32_t s = 0;
+            for (int b = 0; b < 4; b++) s += (int32_t)reg[32 * t + 4 * l + b] * x[32 * t + 4 * l + b];
+            if (t < 4)
+                lo[l] += s;
+            else
+                hi[l] += s;
+        }
+}
+
+/* The float steps of one (row, column, unit), the same on every path: fused
+ * multiply-adds (fmaf here, vfmadd in the vector code: one rounding either way). */
+static void cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t c1) {
+    const int type = p->type, kq = is_kquant(type);
+    const int64_t nu = kq ? jb->nk : jb->ng;
+    for (int64_t c = c0; c < c1; c++) {
+        const uint8_t *row = p->w + c * p->row_bytes;
+        for (int64_t r0 = 0; r0 < jb->m; r0 += MAX_ROWS_TILE) {
+            const int64_t R = jb->m - r0 < MAX_ROWS_TILE ? jb->m - r0 : MAX_ROWS_TILE;
             float acc[MAX_ROWS_TILE][8];
-            float accm[MAX_ROWS_TILE];
             memset(acc, 0, sizeof acc);
-            memset(accm, 0, sizeof accm);
-            for (int64_t b = 0; b < nb; b++) {
-                int8_t q[32];
-                float d, m;
-                int bb, per;
-                bb = type_block(p->type, &per);
-                decode_legacy(p->type, row + b * bb, q, &d, &m);
+            for (int64_t u = 0; u < nu; u++) {
+                const uint8_t *unit = row + u * p->unit_bytes;
+                uint8_t reg[256];
+                unpack_unit(type, unit, reg);
                 for (int64_t r = 0; r < R; r++) {
-                    const xq32 *xb = jb->x32 + (r0 + r) * nb + b;
-                    float f = d * xb->d;
-                    for (int l = 0; l < 8; l++) {
-                        int s = 0;
-                        for (int i = 4 * l; i < 4 * l + 4; i++) s += (int)q[i] * (int)xb->q[i];
-                        acc[r][l] = acc[r][l] + (float)s * f;
-                    }
-                    if (p->type == T_Q4_1) accm[r] = accm[r] + m * xb->s;
-                }
-            }
-            for (int64_t r = 0; r < R; r++) {
-                float v = hsum8(acc[r]);
-                if (p->type == T_Q4_1) v = v + accm[r];
-                jb->y[(r0 + r) * jb->ldy + p->col0 + c] = v;
-            }
-        }
-    }
-}
-
-static void kquant_cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t c1) {
-    const int64_t nb = jb->K / 256;
-    for (int64_t r0 = 0; r0 < jb->m; r0 += MAX_ROWS_TILE) {
-        int64_t R = jb->m - r0 < MAX_ROWS_TILE ? jb->m - r0 : MAX_ROWS_TILE;
-        for (int64_t c = c0; c < c1; c++) {
-            const uint8_t *row = p->w + c * p->row_bytes;
-            float lacc[MAX_ROWS_TILE][8], lmin[MAX_ROWS_TILE][8];
-            memset(lacc, 0, sizeof lacc);
-            memset(lmin, 0, sizeof lmin);
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * (p->type == T_Q4_K ? 144 : 210);
-                uint8_t q[256];
-                if (p->type == T_Q4_K) {
-                    int sc[8], mn[8];
-                    float d, dmin;
-                    decode_q4k(blk, q, sc, mn, &d, &dmin);
-                    for (int64_t r = 0; r < R; r++) {
-                        const xq256 *xb = jb->x256 + (r0 + r) * nb + b;
-                        /* lane l: values 4l..4l+3 of each 32-value group, as the
-                         * vector path's int32 lanes */
-                        float f = d * xb->d, fm = dmin * xb->d;
+                    int32_t lo[8], hi[8];
+                    if (type == T_Q4_K) {
+                        const xk_t *xb = jb->xk + (r0 + r) * nu + u;
+                        int sc[8], mn[8];
+                        for (int j = 0; j < 8; j++) q4k_scale_min(unit + 4, j, &sc[j], &mn[j]);
+                        lane_dots(reg, xb->q32, lo, hi);
+                        const float d = h2f(rd16(unit)), ndmin = -h2f(rd16(unit + 2));
                         for (int l = 0; l < 8; l++) {
-                            int32_t s = 0;
-                            for (int j = 0; j < 8; j++) {
-                                int32_t dot = 0;
-                                for (int i = 32 * j + 4 * l; i < 32 * j + 4 * l + 4; i++)
-                                    dot += (int)q[i] * xb->q[i];
-                                s += sc[j] * dot;
-                            }
-                            int32_t mnl = mn[l] * (xb->bsums[2 * l] + xb->bsums[2 * l + 1]);
-                            lacc[r][l] = lacc[r][l] + f * (float)s;
-                            lmin[r][l] = lmin[r][l] + fm * (float)mnl;
+                            int32_t s = sc[l] * (lo[l] + hi[l]);
+                            int32_t mm = mn[l] * (xb->bsums[2 * l] + xb->bsums[2 * l + 1]);
+                            float v = fmaf((float)mm, ndmin, (float)s * d);
+                            acc[r][l] = fmaf(v, xb->d, acc[r][l]);
                         }
-                    }
-                } else {
-                    int8_t sc[16];
-                    float d;
-                    decode_q6k(blk, q, sc, &d);
-                    for (int64_t r = 0; r < R; r++) {
-                        const xq256 *xb = jb->x256 + (r0 + r) * nb + b;
-                        float f = d * xb->d;
+                    } else if (type == T_Q6_K) {
+                        const xk_t *xb = jb->xk + (r0 + r) * nu + u;
+                        const int8_t *sc = (const int8_t *)(unit + 192);
+                        lane_dots(reg, xb->q16, lo, hi);
+                        const float d = h2f(rd16(unit + 208));
                         for (int l = 0; l < 8; l++) {
-                            int32_t s = 0;
-                            for (int k = 0; k < 8; k++) {
-                                int32_t dot = 0;
-                                for (int i = 32 * k + 4 * l; i < 32 * k + 4 * l + 4; i++)
-                                    dot += (int)q[i] * xb->q[i];
-                                s += sc[(32 * k + 4 * l) / 16] * dot;
-                            }
-                            s -= 32 * (sc[2 * l] * xb->bsums[2 * l] + sc[2 * l + 1] * xb->bsums[2 * l + 1]);
-                            lacc[r][l] = lacc[r][l] + f * (float)s;
+                            int32_t s = sc[l] * lo[l] + sc[8 + l] * hi[l] -
+                                        32 * (sc[2 * l] * xb->bsums[2 * l] +
+                                              sc[2 * l + 1] * xb->bsums[2 * l + 1]);
+                            acc[r][l] = fmaf((float)s * d, xb->d, acc[r][l]);
+                        }
+                    } else {
+                        const xg_t *xb = jb->xg + (r0 + r) * nu + u;
+                        const int off = legacy_offset(type);
+                        lane_dots(reg, xb->q, lo, hi);
+                        for (int l = 0; l < 8; l++) {
+                            int32_t s = lo[l] + hi[l] - off * xb->bs[l];
+                            float f = h2f(rd16(unit + 2 * l)) * xb->d[l];
+                            acc[r][l] = fmaf((float)s, f, acc[r][l]);
+                            if (type == T_Q4_1)
+                                acc[r][l] = fmaf(h2f(rd16(unit + 16 + 2 * l)), xb->s[l], acc[r][l]);
                         }
                     }
                 }
             }
-            for (int64_t r = 0; r < R; r++) {
-                float v = p->type == T_Q4_K ? hsum8(lacc[r]) - hsum8(lmin[r]) : hsum8(lacc[r]);
-                jb->y[(r0 + r) * jb->ldy + p->col0 + c] = v;
-            }
+            for (int64_t r = 0; r < R; r++) jb->y[(r0 + r) * jb->ldy + p->col0 + c] = hsum8(acc[r]);
         }
     }
 }
 
-/* -------------------------------------------------------------------- AVX2 kernels */
+/* ------------------------------------------------------------------ vector kernels */
+typedef void (*tile_fn)(const job_t *, const part_t *, int64_t, int64_t);
+/* one instruction set's tiles: fn[format][R - 1][C - 1] */
+typedef struct {
+    int cols; /* the most columns a tile takes */
+    int rows; /* the most rows a one-column tile takes */
+    tile_fn fn[6][MAX_ROWS_TILE][2];
+} tile_set;
+
+static inline int kind_of(int type) {
+    switch (type) {
+    case T_Q4_0: return 0;
+    case T_Q4_1: return 1;
+    case T_Q5_0: return 2;
+    case T_Q8_0: return 3;
+    case T_Q4_K: return 4;
+    default: return 5; /* Q6_K */
+    }
+}
+
 #ifdef SPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-/* Keeps an accumulator in a register where it is: the compiler otherwise reassociates a
- * tile's integer sums into trees of spilled partial sums (integer results are the same
- * either way; only the instruction count differs). */
-#define PIN(v) __asm__("" : "+x"(v))
-
-/* The F16C conversion: exact, so bitwise the same as h2f. */
-AVX2 static inline float h2f_f16c(uint16_t h) { return _cvtsh_ss(h); }
-
-AVX2 static inline __m256i load_legacy_codes(int type, const uint8_t *blk, float *d, float *m) {
-    const __m256i lowmask = _mm256_set1_epi8(0xF);
-    __m256i q;
-    *m = 0.0f;
-    *d = h2f_f16c(rd16(blk));
-    switch (type) {
-    case T_Q4_0: {
-        __m128i b = _mm_loadu_si128((const __m128i *)(blk + 2));
-        q = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-        q = _mm256_and_si256(q, lowmask);
-        q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-        break;
-    }
-    case T_Q4_1: {
-        *m = h2f_f16c(rd16(blk + 2));
-        __m128i b = _mm_loadu_si128((const __m128i *)(blk + 4));
-        q = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-        q = _mm256_and_si256(q, lowmask);
-        break;
-    }
-    case T_Q5_0: {
-        uint32_t qh = rd32(blk + 2);
-        __m128i b = _mm_loadu_si128((const __m128i *)(blk + 6));
-        q = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-        q = _mm256_and_si256(q, lowmask);
-        /* bit j of qh -> bit 4 of byte j */
-        const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
-                                               0x0101010101010101LL, 0x0000000000000000LL);
-        __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
-        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-        hb = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
-        q = _mm256_or_si256(q, _mm256_and_si256(hb, _mm256_set1_epi8(0x10)));
-        q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-        break;
-    }
-    default: /* Q8_0 */
-        q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        break;
-    }
-    return q;
-}
-
-/* 8 int32 lane sums (lane l: values 4l..4l+3) of signed weight codes times activations. */
-AVX2 static inline __m256i dot_signed(__m256i w, __m256i x) {
-    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-
-AVX2 static inline __m256i dot_unsigned(__m256i w, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
 
 AVX2 static inline float hsum8_avx(__m256 a) {
     /* ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), as hsum8 */
@@ -471,243 +594,104 @@ AVX2 static inline float hsum8_avx(__m256 a) {
     return _mm_cvtss_f32(t) + _mm_cvtss_f32(_mm_shuffle_ps(t, t, 1));
 }
 
-AVX2 static inline int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
+#define TL_ATTR AVX2
+#define TL_FN(name) name##_avx2
+#define TL_ROWS 4
+#define TL_VNNI 0
+#define TL_COLS 1
+#define TL_PIN(v) __asm__("" : "+x"(v))
+#include "tiles.h"
+#undef TL_ATTR
+#undef TL_FN
+#undef TL_VNNI
+#undef TL_COLS
+#undef TL_ROWS
+#undef TL_PIN
 
-AVX2 __attribute__((always_inline)) static inline void
-legacy_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
-    const int64_t nb = jb->K / 32;
-    int per;
-    const int bb = type_block(p->type, &per);
-    const uint8_t *row = p->w + c * p->row_bytes;
-    const int type = p->type;
-    __m256 acc[MAX_ROWS_TILE];
-    float accm[MAX_ROWS_TILE];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = 0.0f;
-    }
-    const xq32 *xbase = jb->x32 + r0 * nb;
-    for (int64_t b = 0; b < nb; b++) {
-        float d, m;
-        __m256i w = load_legacy_codes(type, row + b * bb, &d, &m);
-        for (int r = 0; r < R; r++) {
-            const xq32 *xb = xbase + r * nb + b;
-            __m256i x = _mm256_loadu_si256((const __m256i *)xb->q);
-            __m256i s = type == T_Q4_1 ? dot_unsigned(w, x) : dot_signed(w, x);
-            __m256 f = _mm256_set1_ps(d * xb->d);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(s), f));
-            if (type == T_Q4_1) accm[r] = accm[r] + m * xb->s;
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float v = hsum8_avx(acc[r]);
-        if (type == T_Q4_1) v = v + accm[r];
-        jb->y[(r0 + r) * jb->ldy + p->col0 + c] = v;
-    }
-}
+#define TL_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define TL_FN(name) name##_avx512
+#define TL_ROWS 8
+#define TL_VNNI 0
+#define TL_COLS 2
+#define TL_PIN(v) __asm__("" : "+v"(v))
+#include "tiles.h"
+#undef TL_ATTR
+#undef TL_FN
+#undef TL_VNNI
+#undef TL_COLS
+#undef TL_ROWS
+#undef TL_PIN
 
-AVX2 __attribute__((always_inline)) static inline void
-q4k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
-    const int64_t nb = jb->K / 256;
-    const uint8_t *row = p->w + c * p->row_bytes;
-    const __m256i lowmask = _mm256_set1_epi8(0xF);
-    __m256 acc[MAX_ROWS_TILE], accm[MAX_ROWS_TILE];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        accm[r] = _mm256_setzero_ps();
-    }
-    const xq256 *xbase = jb->x256 + r0 * nb;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 144;
-        const float d = h2f_f16c(rd16(blk)), dmin = h2f_f16c(rd16(blk + 2));
-        /* the 12 scale bytes -> 8 scales and 8 mins (6 bits each), 4 at a time */
-        const uint32_t w0 = rd32(blk + 4), w1 = rd32(blk + 8), w2 = rd32(blk + 12);
-        const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
-        const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-        const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-        const __m256i scb = _mm256_set1_epi64x((long long)(((uint64_t)sc_hi << 32) | sc_lo));
-        const __m256i mnb = _mm256_set1_epi64x((long long)(((uint64_t)mn_hi << 32) | mn_lo));
-        /* int16 lanes: mins each twice (madd with the 16 bsums gives m_j * (bs[2j] +
-         * bs[2j+1])), and every scale broadcast */
-        const __m256i mins = _mm256_shuffle_epi8(
-            mnb, _mm256_setr_epi8(0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3,
-                                  -128, 4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7,
-                                  -128, 7, -128));
-        /* one 64-value chunk at a time, every row of the tile: few live registers */
-        __m256i s[MAX_ROWS_TILE];
-        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * k));
-            const __m256i lo = _mm256_and_si256(q, lowmask);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lowmask);
-            const __m256i slo = _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k))));
-            const __m256i shi =
-                _mm256_shuffle_epi8(scb, _mm256_set1_epi16((short)(0x8000 | (2 * k + 1))));
-            for (int r = 0; r < R; r++) {
-                const xq256 *xb = xbase + r * nb + b;
-                __m256i xl = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k));
-                __m256i xh = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * k + 32));
-                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), slo));
-                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), shi));
-                PIN(s[r]);
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            const xq256 *xb = xbase + r * nb + b;
-            __m256i bs = _mm256_loadu_si256((const __m256i *)xb->bsums);
-            __m256i mm = _mm256_madd_epi16(bs, mins);
-            __m256 f = _mm256_set1_ps(d * xb->d), fm = _mm256_set1_ps(dmin * xb->d);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(s[r])));
-            accm[r] = _mm256_add_ps(accm[r], _mm256_mul_ps(fm, _mm256_cvtepi32_ps(mm)));
-        }
-    }
-    for (int r = 0; r < R; r++)
-        jb->y[(r0 + r) * jb->ldy + p->col0 + c] = hsum8_avx(acc[r]) - hsum8_avx(accm[r]);
-}
+#define TL_ATTR                                                                                  \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define TL_FN(name) name##_vnni
+#define TL_ROWS 8
+#define TL_VNNI 1
+#define TL_COLS 2
+#define TL_PIN(v) __asm__("" : "+v"(v))
+#include "tiles.h"
+#undef TL_ATTR
+#undef TL_FN
+#undef TL_VNNI
+#undef TL_COLS
+#undef TL_ROWS
+#undef TL_PIN
 
-AVX2 __attribute__((always_inline)) static inline void
-q6k_tile_avx2(const job_t *jb, const part_t *p, int64_t r0, int R, int64_t c) {
-    const int64_t nb = jb->K / 256;
-    const uint8_t *row = p->w + c * p->row_bytes;
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
-    __m256 acc[MAX_ROWS_TILE];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const xq256 *xbase = jb->x256 + r0 * nb;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * 210;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = h2f_f16c(rd16(blk + 208));
-        /* one 32-value chunk at a time, every row of the tile: few live registers */
-        __m256i s[MAX_ROWS_TILE];
-        for (int r = 0; r < R; r++) s[r] = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
-            /* scales 8h .. 8h+7 as int16 in both lanes; chunk k takes 8h+2k (low lane)
-             * and 8h+2k+1 (high lane) */
-            const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * h)));
-            const __m256i both = _mm256_permute2x128_si256(s16, s16, 0x00);
-            for (int k = 0; k < 4; k++) {
-                const __m256i low = _mm256_and_si256(k & 2 ? _mm256_srli_epi16(k & 1 ? l1 : l0, 4)
-                                                           : (k & 1 ? l1 : l0),
-                                                     m4);
-                const __m256i high =
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2 * k), m2), 4);
-                const __m256i q = _mm256_or_si256(low, high);
-                const short lo16 = (short)(((4 * k + 1) << 8) | (4 * k));
-                const short hi16 = (short)(((4 * k + 3) << 8) | (4 * k + 2));
-                const __m256i idx = _mm256_set_m128i(_mm_set1_epi16(hi16), _mm_set1_epi16(lo16));
-                const __m256i scv = _mm256_shuffle_epi8(both, idx);
-                for (int r = 0; r < R; r++) {
-                    const xq256 *xb = xbase + r * nb + b;
-                    __m256i x = _mm256_loadu_si256((const __m256i *)(xb->q + 128 * h + 32 * k));
-                    s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scv));
-                    PIN(s[r]);
-                }
-            }
-        }
-        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        for (int r = 0; r < R; r++) {
-            const xq256 *xb = xbase + r * nb + b;
-            __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)xb->bsums), sc16);
-            __m256i st = _mm256_sub_epi32(s[r], _mm256_slli_epi32(bs, 5));
-            __m256 f = _mm256_set1_ps(d * xb->d);
-            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(f, _mm256_cvtepi32_ps(st)));
-        }
-    }
-    for (int r = 0; r < R; r++) jb->y[(r0 + r) * jb->ldy + p->col0 + c] = hsum8_avx(acc[r]);
-}
-
-/* Constant-R specializations, so the row loops unroll and accumulators stay in registers. */
-#define SPEC_TILES(name)                                                                        \
-    AVX2 static void name##_r1(const job_t *j, const part_t *p, int64_t r0, int64_t c) {        \
-        name##_tile_avx2(j, p, r0, 1, c);                                                       \
-    }                                                                                           \
-    AVX2 static void name##_r2(const job_t *j, const part_t *p, int64_t r0, int64_t c) {        \
-        name##_tile_avx2(j, p, r0, 2, c);                                                       \
-    }                                                                                           \
-    AVX2 static void name##_r3(const job_t *j, const part_t *p, int64_t r0, int64_t c) {        \
-        name##_tile_avx2(j, p, r0, 3, c);                                                       \
-    }                                                                                           \
-    AVX2 static void name##_r4(const job_t *j, const part_t *p, int64_t r0, int64_t c) {        \
-        name##_tile_avx2(j, p, r0, 4, c);                                                       \
-    }
-SPEC_TILES(legacy)
-SPEC_TILES(q4k)
-SPEC_TILES(q6k)
-
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
-#endif
-
-typedef void (*tile_fn)(const job_t *, const part_t *, int64_t, int64_t);
-/* one instruction set's tiles: [legacy, Q4_K, Q6_K][R - 1] */
-typedef tile_fn tile_set[3][MAX_ROWS_TILE];
-
-static const tile_set tiles_avx2 = {
-    {legacy_r1, legacy_r2, legacy_r3, legacy_r4},
-    {q4k_r1, q4k_r2, q4k_r3, q4k_r4},
-    {q6k_r1, q6k_r2, q6k_r3, q6k_r4},
-};
+/* Tuning, set by spec_tune (benchmarks): passes of up to g_one_col_rows rows take
+ * one-column tiles; a one-tile pass asks for the weights g_prefetch_bytes ahead. Neither
+ * changes a result. */
+static int g_one_col_rows = 4;
+static int g_prefetch_bytes = 2048;
 
 static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
-    const tile_fn *fns = (*ts)[p->type == T_Q4_K ? 1 : (p->type == T_Q6_K ? 2 : 0)];
+    const int kind = kind_of(p->type);
+    const int cols = jb->m <= g_one_col_rows || jb->m <= ts->rows ? 1 : ts->cols;
     /* column outer, row tiles inner: a column's blocks stay in L1 across the tiles.
      * Many rows (a prefill) are taken a block of rows at a time, so that the block's
      * quantized activations stay in L2 while the chunk's columns pass over them (all
      * rows at once would stream every activation from L3 again for every column). */
     const int64_t rb = jb->row_block;
-    if (jb->m <= MAX_ROWS_TILE) {
-        /* One tile: the pass is bound by reading the weights. Ask for the column
-         * PREFETCH_BYTES ahead while this one is computed, so that the loads are in
-         * flight across the chunk's start and the compute (the hardware prefetcher
-         * alone left a 1-row pass at ~15 of the ~25 GB/s two cores can read). */
-        const int64_t ahead = (PREFETCH_BYTES + p->row_bytes - 1) / p->row_bytes;
-        const tile_fn fn = fns[jb->m - 1];
-        for (int64_t c = c0; c < c1; c++) {
-            if (c + ahead < p->n) {
-                const char *nx = (const char *)p->w + (c + ahead) * p->row_bytes;
+    if (jb->m <= ts->rows) {
+        /* One tile of rows: the pass is bound by reading the weights. Ask for the columns
+         * g_prefetch_bytes ahead while these are computed, so that the loads are in flight
+         * across the chunk's start and the compute (the hardware prefetcher alone left a
+         * 1-row pass at ~15 of the ~25 GB/s two cores can read). */
+        const int64_t ahead = (g_prefetch_bytes + p->row_bytes - 1) / p->row_bytes;
+        const tile_fn *fns = ts->fn[kind][jb->m - 1];
+        int64_t pf = c0; /* the next column to ask for */
+        for (int64_t c = c0; c < c1;) {
+            const int C = c1 - c >= cols ? cols : 1;
+            const int64_t want = c + C + ahead < p->n ? c + C + ahead : p->n;
+            for (; pf < want; pf++) {
+                const char *nx = (const char *)p->w + pf * p->row_bytes;
                 for (int64_t o = 0; o < p->row_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
             }
-            fn(jb, p, 0, c);
+            fns[C - 1](jb, p, 0, c);
+            c += C;
         }
         return;
     }
+    const int64_t ahead = (g_prefetch_bytes + p->row_bytes - 1) / p->row_bytes;
     for (int64_t b0 = 0; b0 < jb->m; b0 += rb) {
         const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m;
-        for (int64_t c = c0; c < c1; c++) {
-            for (int64_t r0 = b0; r0 < b1; r0 += MAX_ROWS_TILE) {
-                int64_t R = b1 - r0 < MAX_ROWS_TILE ? b1 - r0 : MAX_ROWS_TILE;
-                fns[R - 1](jb, p, r0, c);
+        int64_t pf = c0;
+        for (int64_t c = c0; c < c1;) {
+            const int C = c1 - c >= cols ? cols : 1;
+            if (b0 == 0) { /* the first row block reads the weights from memory */
+                const int64_t want = c + C + ahead < p->n ? c + C + ahead : p->n;
+                for (; pf < want; pf++) {
+                    const char *nx = (const char *)p->w + pf * p->row_bytes;
+                    for (int64_t o = 0; o < p->row_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
+                }
             }
+            for (int64_t r0 = b0; r0 < b1; r0 += MANY_ROWS_TILE) {
+                int64_t R = b1 - r0 < MANY_ROWS_TILE ? b1 - r0 : MANY_ROWS_TILE;
+                ts->fn[kind][R - 1][C - 1](jb, p, r0, c);
+            }
+            c += C;
         }
     }
 }
-
-/* ------------------------------------------------------------------ AVX-512 kernels */
-#define T512_VNNI 0
-#define T512_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-#define T512_FN(name) name##_avx512
-#include "tiles512.h"
-#undef T512_VNNI
-#undef T512_ATTR
-#undef T512_FN
-
-#define T512_VNNI 1
-#define T512_ATTR                                                                               \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-#define T512_FN(name) name##_vnni
-#include "tiles512.h"
-#undef T512_VNNI
-#undef T512_ATTR
-#undef T512_FN
 #endif
 
 /* --------------------------------------------------------------------- dispatching */
@@ -741,8 +725,10 @@ static int path_ok(int path) {
 
 static int resolve_path(void) {
     if (g_path != PATH_AUTO) return path_ok(g_path) ? g_path : -1;
-    /* Auto takes AVX2 where it exists: the 512-bit paths are bitwise equal but measured no
-     * faster on a Zen 4 EPYC (docs/native.md), so they stay opt-in until one wins. */
+    /* Auto takes VNNI where it exists (its 4-byte dot products halve the multiplies of a
+     * verify pass: docs/native.md), else AVX2: the AVX-512 path without VNNI measured no
+     * faster than AVX2 on a Zen 4 EPYC. */
+    if (path_ok(PATH_AVX512VNNI)) return PATH_AVX512VNNI;
     if (path_ok(PATH_AVX2)) return PATH_AVX2;
     return PATH_PORTABLE;
 }
@@ -769,10 +755,7 @@ static void run_chunk(const job_t *jb, int64_t chunk) {
             continue;
         }
 #endif
-        if (is_kquant(p->type))
-            kquant_cols_portable(jb, p, lo - a, hi - a);
-        else
-            legacy_cols_portable(jb, p, lo - a, hi - a);
+        cols_portable(jb, p, lo - a, hi - a);
     }
 }
 
@@ -909,6 +892,18 @@ int spec_set_path(int path) {
 
 int spec_active_path(void) { return resolve_path(); }
 
+/* Benchmark knobs (results never depend on them): 0 the most rows a pass may have and
+ * still take one-column tiles, 1 the prefetch distance in bytes. Returns the old value,
+ * or -1 for an unknown knob. */
+int spec_tune(int knob, int value) {
+    int old;
+    switch (knob) {
+    case 0: old = g_one_col_rows; if (value >= 0) g_one_col_rows = value; return old;
+    case 1: old = g_prefetch_bytes; if (value >= 0) g_prefetch_bytes = value; return old;
+    default: return -1;
+    }
+}
+
 int spec_supported(int type) {
     int per;
     return type_block(type, &per) > 0;
@@ -922,64 +917,101 @@ int64_t spec_row_bytes(int type, int64_t K) {
     return K / per * bb;
 }
 
-/* y[r * ldy + c] for r < m and the parts' columns (concatenated in order).
- * Returns 0, or a negative code: -1 unsupported type, -2 K not a block multiple,
- * -3 too many parts, -4 out of memory. */
+/* Bytes of one packed row of K values (0 when the type or K is unsupported). */
+int64_t spec_packed_row_bytes(int type, int64_t K) {
+    if (spec_row_bytes(type, K) == 0) return 0;
+    return row_units(type, K) * unit_bytes(type);
+}
+
+typedef struct {
+    int type;
+    const uint8_t *src;
+    int64_t K, n, rows_per_chunk;
+    uint8_t *dst;
+} repack_t;
+
+static void repack_chunk(const void *ctx, int64_t chunk) {
+    const repack_t *rp = ctx;
+    int64_t r0 = chunk * rp->rows_per_chunk, r1 = r0 + rp->rows_per_chunk;
+    repack_rows(rp->type, rp->src, rp->K, r0, r1 < rp->n ? r1 : rp->n, rp->dst);
+}
+
+/* The n stored rows of src into dst (spec_packed_row_bytes(type, K) bytes a row), in the
+ * layout spec_linear reads. Returns 0, or -1 for an unsupported type or K. */
+int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int nthreads) {
+    if (spec_packed_row_bytes(type, K) == 0) return -1;
+    repack_t rp = {type, (const uint8_t *)src, K, n, 64, (uint8_t *)dst};
+    job_t jb;
+    memset(&jb, 0, sizeof jb);
+    jb.task = repack_chunk;
+    jb.ctx = &rp;
+    jb.nchunks = (n + rp.rows_per_chunk - 1) / rp.rows_per_chunk;
+    pool_run(&jb, nthreads);
+    return 0;
+}
+
+/* y[r * ldy + c] for r < m and the parts' columns (concatenated in order); the parts'
+ * weights are packed (spec_repack). Returns 0, or a negative code: -1 unsupported type,
+ * -2 K not a block multiple, -3 too many parts, -4 out of memory. */
 int spec_linear(int nparts, const int *types, const void *const *weights, const int64_t *ns,
                 int64_t K, const float *x, int64_t m, float *y, int64_t ldy, int nthreads) {
     if (nparts < 1 || nparts > MAX_PARTS) return -3;
     job_t jb;
     memset(&jb, 0, sizeof jb);
-    int need32 = 0, need256 = 0;
+    int needk = 0, needg = 0;
     int64_t col = 0;
     for (int i = 0; i < nparts; i++) {
-        int64_t rb = spec_row_bytes(types[i], K);
         if (!spec_supported(types[i])) return -1;
+        int64_t rb = spec_packed_row_bytes(types[i], K);
         if (rb == 0) return -2;
-        jb.parts[i] = (part_t){types[i], (const uint8_t *)weights[i], ns[i], col, rb};
+        jb.parts[i] = (part_t){types[i], (const uint8_t *)weights[i], ns[i], col, rb, unit_bytes(types[i])};
         col += ns[i];
         if (is_kquant(types[i]))
-            need256 = 1;
+            needk = 1;
         else
-            need32 = 1;
+            needg = 1;
     }
     jb.nparts = nparts;
     jb.K = K;
     jb.m = m;
     jb.ldy = ldy;
     jb.y = y;
+    jb.nk = K / 256;
+    jb.ng = (K / 32 + 7) / 8;
     jb.path = resolve_path();
     if (jb.path < 0) jb.path = PATH_PORTABLE;
-    xq32 *x32 = NULL;
-    xq256 *x256 = NULL;
-    if (need32) {
-        x32 = malloc(sizeof(xq32) * (size_t)(m * (K / 32)));
-        if (!x32) return -4;
-        for (int64_t r = 0; r < m; r++) quantize_row32(x + r * K, K, x32 + r * (K / 32));
+    xk_t *xk = NULL;
+    xg_t *xg = NULL;
+    if (needk) {
+        xk = malloc(sizeof(xk_t) * (size_t)(m * jb.nk));
+        if (!xk) return -4;
+        for (int64_t r = 0; r < m; r++) quantize_row_k(x + r * K, K, xk + r * jb.nk);
     }
-    if (need256) {
-        x256 = malloc(sizeof(xq256) * (size_t)(m * (K / 256)));
-        if (!x256) {
-            free(x32);
+    if (needg) {
+        xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
+        if (!xg) {
+            free(xk);
             return -4;
         }
-        for (int64_t r = 0; r < m; r++) quantize_row256(x + r * K, K, x256 + r * (K / 256));
+        for (int64_t r = 0; r < m; r++) quantize_row_g(x + r * K, K, xg + r * jb.ng);
     }
-    jb.x32 = x32;
-    jb.x256 = x256;
+    jb.xk = xk;
+    jb.xg = xg;
     /* Columns per chunk: enough work per chunk to amortize the hand-out, enough chunks
-     * to balance the threads. Results do not depend on it. */
+     * to balance the threads; even, so that two-column tiles stay whole. Results do not
+     * depend on it. */
     int64_t cc = 16;
     if (nthreads > 1) {
         int64_t target = col / ((int64_t)nthreads * 8);
         cc = target < 4 ? 4 : (target > 64 ? 64 : target);
+        cc += cc & 1;
     } else {
         cc = col;
     }
     /* Rows per block: their quantized activations within ~128 KiB (L2 with the chunk's
      * weights), and a chunk's weights within ~64 KiB when the rows are many. */
-    int64_t xrow = need256 ? (int64_t)sizeof(xq256) * (K / 256) : 0;
-    if (need32 && (int64_t)sizeof(xq32) * (K / 32) > xrow) xrow = (int64_t)sizeof(xq32) * (K / 32);
+    int64_t xrow = needk ? (int64_t)sizeof(xk_t) * jb.nk : 0;
+    if (needg && (int64_t)sizeof(xg_t) * jb.ng > xrow) xrow = (int64_t)sizeof(xg_t) * jb.ng;
     int64_t rbk = ((int64_t)128 * 1024 / xrow) / MAX_ROWS_TILE * MAX_ROWS_TILE;
     jb.row_block = rbk < MAX_ROWS_TILE ? MAX_ROWS_TILE : rbk;
     if (m > jb.row_block) {
@@ -988,13 +1020,13 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
             if (jb.parts[i].row_bytes > maxrb) maxrb = jb.parts[i].row_bytes;
         int64_t capc = (int64_t)64 * 1024 / maxrb;
         if (capc < 4) capc = 4;
-        if (cc > capc) cc = capc;
+        if (cc > capc) cc = capc + (capc & 1);
     }
     jb.chunk_cols = cc;
     jb.nchunks = (col + cc - 1) / cc;
     pool_run(&jb, nthreads);
-    free(x32);
-    free(x256);
+    free(xk);
+    free(xg);
     return 0;
 }
 
