@@ -143,13 +143,22 @@ def active_path() -> str:
     return _PATH_NAMES[_need().spec_active_path()]
 
 
-TUNING_KNOBS = {"one_col_rows": 0, "prefetch_bytes": 1}
+TUNING_KNOBS = {
+    "one_col_rows": 0,
+    "prefetch_bytes": 1,
+    "chunks_per_thread": 2,
+    "max_chunk_cols": 3,
+    "prefetch_rows": 4,
+}
 
 
 def tune(knob: str, value: int) -> int:
     """Set a kernel tuning knob for benchmarks (results never depend on it); returns the
     old value. `one_col_rows`: passes of up to this many rows use one-column tiles;
-    `prefetch_bytes`: how far ahead a one-tile pass asks for weights."""
+    `prefetch_bytes`: how far ahead a pass of at least `prefetch_rows` rows asks for
+    weights (0: not at all);
+    `chunks_per_thread` and `max_chunk_cols`: how the columns are cut into the chunks
+    that threads take."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     if value < 0:

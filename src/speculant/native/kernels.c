@@ -24,6 +24,7 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -239,7 +240,8 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
  *
  * Packed units (codes unsigned; nibble pairs put register c in the low and c + 4 in the
  * high nibble of byte j of chunk c):
- *   Q4_K 144 B: d, dmin, the 12 scale bytes as stored, 4 nibble chunks of 32 B.
+ *   Q4_K 148 B: d, dmin, the 8 scales and the 8 mins (6-bit values, a byte each),
+ *     4 nibble chunks of 32 B.
  *   Q6_K 210 B: 4 nibble chunks (low 4 bits), 2 chunks of 32 B with the high 2 bits of
  *     registers 4h .. 4h + 3 at bits 0-1, 2-3, 4-5, 6-7 of chunk h, the 16 int8 scales, d.
  *   Q4_0 144 B: 8 fp16 scales, 4 nibble chunks (codes 0..15, value = d (code - 8)).
@@ -259,7 +261,7 @@ static int unit_bytes(int type) {
     case T_Q4_1: return 32 + 128;
     case T_Q5_0: return 16 + 32 + 128;
     case T_Q8_0: return 16 + 256;
-    case T_Q4_K: return 144;
+    case T_Q4_K: return 148;
     case T_Q6_K: return 210;
     default: return 0;
     }
@@ -281,10 +283,14 @@ static void repack_kquant(int type, const uint8_t *blk, uint8_t *out) {
         int sc[8], mn[8];
         float d, dmin;
         decode_q4k(blk, q, sc, mn, &d, &dmin);
-        memcpy(out, blk, 16);
+        memcpy(out, blk, 4); /* d, dmin */
+        for (int j = 0; j < 8; j++) {
+            out[4 + j] = (uint8_t)sc[j];
+            out[12 + j] = (uint8_t)mn[j];
+        }
         for (int c = 0; c < 4; c++)
             for (int j = 0; j < 32; j++)
-                out[16 + 32 * c + j] = (uint8_t)(q[by32(c, j >> 2, j & 3)] |
+                out[20 + 32 * c + j] = (uint8_t)(q[by32(c, j >> 2, j & 3)] |
                                                  (q[by32(c + 4, j >> 2, j & 3)] << 4));
         return;
     }
@@ -368,6 +374,7 @@ static void repack_rows(int type, const uint8_t *src, int64_t K, int64_t r0, int
 typedef struct {
     float d;
     int16_t bsums[16]; /* sums of the codes of values 16i .. 16i + 15 */
+    int32_t bs32[8];   /* sums of the codes of values 32i .. 32i + 31 */
     int8_t q16[256];   /* the codes by 16 (for Q6_K) */
     int8_t q32[256];   /* the codes by 32 (for Q4_K) */
 } xk_t;
@@ -405,6 +412,7 @@ static void quantize_row_k(const float *x, int64_t K, xk_t *out) {
             for (int i = 0; i < 16; i++) sum += q[j * 16 + i];
             out[b].bsums[j] = (int16_t)sum;
         }
+        for (int j = 0; j < 8; j++) out[b].bs32[j] = out[b].bsums[2 * j] + out[b].bsums[2 * j + 1];
         for (int t = 0; t < 8; t++)
             for (int j = 0; j < 32; j++) {
                 out[b].q16[32 * t + j] = q[by16(t, j >> 2, j & 3)];
@@ -470,7 +478,7 @@ static void unpack_unit(int type, const uint8_t *u, uint8_t reg[256]) {
         memcpy(reg, u + 16, 256);
         return;
     }
-    const uint8_t *nib = type == T_Q4_K ? u + 16
+    const uint8_t *nib = type == T_Q4_K ? u + 20
                          : type == T_Q6_K ? u
                          : u + (type == T_Q4_1 ? 32 : type == T_Q5_0 ? 48 : 16);
     for (int c = 0; c < 4; c++)
@@ -524,13 +532,12 @@ static void cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t 
                     int32_t lo[8], hi[8];
                     if (type == T_Q4_K) {
                         const xk_t *xb = jb->xk + (r0 + r) * nu + u;
-                        int sc[8], mn[8];
-                        for (int j = 0; j < 8; j++) q4k_scale_min(unit + 4, j, &sc[j], &mn[j]);
+                        const uint8_t *sc = unit + 4, *mn = unit + 12;
                         lane_dots(reg, xb->q32, lo, hi);
                         const float d = h2f(rd16(unit)), ndmin = -h2f(rd16(unit + 2));
                         for (int l = 0; l < 8; l++) {
                             int32_t s = sc[l] * (lo[l] + hi[l]);
-                            int32_t mm = mn[l] * (xb->bsums[2 * l] + xb->bsums[2 * l + 1]);
+                            int32_t mm = mn[l] * xb->bs32[l];
                             float v = fmaf((float)mm, ndmin, (float)s * d);
                             acc[r][l] = fmaf(v, xb->d, acc[r][l]);
                         }
@@ -637,32 +644,39 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #undef TL_ROWS
 #undef TL_PIN
 
-/* Tuning, set by spec_tune (benchmarks): passes of up to g_one_col_rows rows take
- * one-column tiles; a one-tile pass asks for the weights g_prefetch_bytes ahead. Neither
- * changes a result. */
+/* Tuning, set by spec_tune (benchmarks); no result depends on them. Passes of up to
+ * g_one_col_rows rows take one-column tiles. A pass may ask for the weights
+ * g_prefetch_bytes ahead (0: leave it to the hardware prefetcher, which measured faster
+ * on a Zen 4 EPYC for passes of fewer than g_prefetch_rows rows once a block took few
+ * instructions: a 1-row pass 52 -> 41 ms with longer chunks; at 8 rows asking 2 KiB
+ * ahead measured 128 -> 117 ms). Threads take chunks of about columns / (threads x
+ * g_chunks_per_thread) columns, at most g_max_chunk_cols: long runs of contiguous
+ * weights for each core's stream. */
 static int g_one_col_rows = 4;
 static int g_prefetch_bytes = 2048;
+static int g_prefetch_rows = 5;
+static int g_chunks_per_thread = 8;
+static int g_max_chunk_cols = 512;
 
 static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const int kind = kind_of(p->type);
     const int cols = jb->m <= g_one_col_rows || jb->m <= ts->rows ? 1 : ts->cols;
+    const int64_t pf_bytes = jb->m >= g_prefetch_rows ? g_prefetch_bytes : 0;
     /* column outer, row tiles inner: a column's blocks stay in L1 across the tiles.
      * Many rows (a prefill) are taken a block of rows at a time, so that the block's
      * quantized activations stay in L2 while the chunk's columns pass over them (all
      * rows at once would stream every activation from L3 again for every column). */
     const int64_t rb = jb->row_block;
     if (jb->m <= ts->rows) {
-        /* One tile of rows: the pass is bound by reading the weights. Ask for the columns
-         * g_prefetch_bytes ahead while these are computed, so that the loads are in flight
-         * across the chunk's start and the compute (the hardware prefetcher alone left a
-         * 1-row pass at ~15 of the ~25 GB/s two cores can read). */
-        const int64_t ahead = (g_prefetch_bytes + p->row_bytes - 1) / p->row_bytes;
+        /* One tile of rows: the pass is bound by reading the weights (optionally asked
+         * for g_prefetch_bytes ahead). */
+        const int64_t ahead = (pf_bytes + p->row_bytes - 1) / p->row_bytes;
         const tile_fn *fns = ts->fn[kind][jb->m - 1];
         int64_t pf = c0; /* the next column to ask for */
         for (int64_t c = c0; c < c1;) {
             const int C = c1 - c >= cols ? cols : 1;
             const int64_t want = c + C + ahead < p->n ? c + C + ahead : p->n;
-            for (; pf < want; pf++) {
+            for (; ahead && pf < want; pf++) {
                 const char *nx = (const char *)p->w + pf * p->row_bytes;
                 for (int64_t o = 0; o < p->row_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
             }
@@ -671,13 +685,13 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
         }
         return;
     }
-    const int64_t ahead = (g_prefetch_bytes + p->row_bytes - 1) / p->row_bytes;
+    const int64_t ahead = (pf_bytes + p->row_bytes - 1) / p->row_bytes;
     for (int64_t b0 = 0; b0 < jb->m; b0 += rb) {
         const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m;
         int64_t pf = c0;
         for (int64_t c = c0; c < c1;) {
             const int C = c1 - c >= cols ? cols : 1;
-            if (b0 == 0) { /* the first row block reads the weights from memory */
+            if (b0 == 0 && ahead) { /* the first row block reads the weights from memory */
                 const int64_t want = c + C + ahead < p->n ? c + C + ahead : p->n;
                 for (; pf < want; pf++) {
                     const char *nx = (const char *)p->w + pf * p->row_bytes;
@@ -806,7 +820,10 @@ static void *worker_main(void *arg) {
         int spins = 0;
         while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) {
             cpu_relax();
-            if (++spins % 256 == 0 && now_us() - t0 > pool.spin_us) {
+            /* give the core away now and then: on a busy machine another process may need
+             * it (sched_yield returns at once when nothing else is waiting) */
+            if (++spins % 256 == 0) sched_yield();
+            if (spins % 256 == 0 && now_us() - t0 > pool.spin_us) {
                 pthread_mutex_lock(&pool.mu);
                 pool.sleepers++;
                 while (atomic_load(&pool.gen) == seen && !pool.quit)
@@ -877,7 +894,13 @@ static void pool_run(const job_t *jb, int nthreads) {
     if (pool.sleepers) pthread_cond_broadcast(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
     work(jb);
-    while (atomic_load_explicit(&pool.finished, memory_order_acquire) < pool.nworkers) cpu_relax();
+    /* A worker that the OS has put aside would leave this loop spinning for its whole
+     * time slice: yield now and then, so that it gets the core back. */
+    for (int spins = 1; atomic_load_explicit(&pool.finished, memory_order_acquire) < pool.nworkers;
+         spins++) {
+        cpu_relax();
+        if (spins % 64 == 0) sched_yield();
+    }
 }
 
 /* ------------------------------------------------------------------------ the API */
@@ -893,13 +916,17 @@ int spec_set_path(int path) {
 int spec_active_path(void) { return resolve_path(); }
 
 /* Benchmark knobs (results never depend on them): 0 the most rows a pass may have and
- * still take one-column tiles, 1 the prefetch distance in bytes. Returns the old value,
- * or -1 for an unknown knob. */
+ * still take two-column tiles' one-column form, 1 the prefetch distance in bytes, 2 chunks
+ * per thread, 3 the most columns in a chunk, 4 the fewest rows a pass prefetches for. Returns the old value, or -1 for an unknown
+ * knob. */
 int spec_tune(int knob, int value) {
     int old;
     switch (knob) {
     case 0: old = g_one_col_rows; if (value >= 0) g_one_col_rows = value; return old;
     case 1: old = g_prefetch_bytes; if (value >= 0) g_prefetch_bytes = value; return old;
+    case 2: old = g_chunks_per_thread; if (value >= 1) g_chunks_per_thread = value; return old;
+    case 3: old = g_max_chunk_cols; if (value >= 4) g_max_chunk_cols = value; return old;
+    case 4: old = g_prefetch_rows; if (value >= 0) g_prefetch_rows = value; return old;
     default: return -1;
     }
 }
@@ -1002,8 +1029,8 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
      * depend on it. */
     int64_t cc = 16;
     if (nthreads > 1) {
-        int64_t target = col / ((int64_t)nthreads * 8);
-        cc = target < 4 ? 4 : (target > 64 ? 64 : target);
+        int64_t target = col / ((int64_t)nthreads * g_chunks_per_thread);
+        cc = target < 4 ? 4 : (target > g_max_chunk_cols ? g_max_chunk_cols : target);
         cc += cc & 1;
     } else {
         cc = col;

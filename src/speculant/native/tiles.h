@@ -55,17 +55,18 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *blk[TL_COLS];
         for (int cc = 0; cc < C; cc++) blk[cc] = wrow[cc] + u * ub;
-        /* Q6_K: A sums registers 0-3, B registers 4-7; Q4_K: A sums all 8 */
+        /* Q6_K: A sums registers 0-3, B registers 4-7; Q4_K: A sums all 8 (or A and B
+         * split as Q6_K's, added before the scale, in tiles of up to 2 rows) */
         __m256i A[MAX_ROWS_TILE][TL_COLS], B[MAX_ROWS_TILE][TL_COLS];
         for (int r = 0; r < R; r++)
             for (int cc = 0; cc < C; cc++) {
                 A[r][cc] = _mm256_setzero_si256();
-                if (q6) B[r][cc] = _mm256_setzero_si256();
+                if (q6 || R <= 2) B[r][cc] = _mm256_setzero_si256();
             }
         for (int ch = 0; ch < 4; ch++) {
             __m256i lo[TL_COLS], hi[TL_COLS];
             for (int cc = 0; cc < C; cc++) {
-                const __m256i q = TL_FN(load)(blk[cc] + (q6 ? 0 : 16) + 32 * ch);
+                const __m256i q = TL_FN(load)(blk[cc] + (q6 ? 0 : 20) + 32 * ch);
                 lo[cc] = _mm256_and_si256(q, m4);
                 hi[cc] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
                 if (q6) {
@@ -85,7 +86,7 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
                 for (int cc = 0; cc < C; cc++) {
                     /* Q4_K's lanes are the same sub-blocks in every register: one sum */
                     A[r][cc] = TL_FN(dot)(A[r][cc], lo[cc], xa);
-                    if (q6) {
+                    if (q6 || R <= 2) { /* R <= 2: two sums, for shorter dependency chains */
                         B[r][cc] = TL_FN(dot)(B[r][cc], hi[cc], xb);
                         TL_PIN(B[r][cc]);
                     } else {
@@ -113,25 +114,19 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
                                                  _mm256_broadcast_ss(&xb->d), acc[r][cc]);
                 }
             } else {
-                const __m256 d = _mm256_set1_ps(_cvtsh_ss(rd16(bk)));
-                const __m256 ndmin = _mm256_set1_ps(-_cvtsh_ss(rd16(bk + 2)));
-                const uint32_t w0 = rd32(bk + 4), w1 = rd32(bk + 8), w2 = rd32(bk + 12);
-                const uint32_t sc_lo = w0 & 0x3f3f3f3fu, mn_lo = w1 & 0x3f3f3f3fu;
-                const uint32_t sc_hi = (w2 & 0x0f0f0f0fu) | (((w0 >> 6) & 0x03030303u) << 4);
-                const uint32_t mn_hi = ((w2 >> 4) & 0x0f0f0f0fu) | (((w1 >> 6) & 0x03030303u) << 4);
-                const __m256i sc = _mm256_cvtepu8_epi32(
-                    _mm_cvtsi64_si128((long long)(((uint64_t)sc_hi << 32) | sc_lo)));
-                /* int16 lanes m0, m0, m1, m1, ...: madd with the 16 bsums gives
-                 * m_l (bs[2l] + bs[2l + 1]) */
-                const __m128i m8 = _mm_cvtsi64_si128((long long)(((uint64_t)mn_hi << 32) | mn_lo));
-                const __m256i mins = _mm256_cvtepu8_epi16(
-                    _mm_shuffle_epi8(m8, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)));
+                const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)rd16(bk)));
+                const __m256 dmin = _mm256_cvtph_ps(_mm_set1_epi16((short)rd16(bk + 2)));
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bk + 4)));
+                const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bk + 12)));
                 for (int r = 0; r < R; r++) {
                     const xk_t *xb = xrow[r] + u;
-                    const __m256i s = _mm256_mullo_epi32(A[r][cc], sc);
-                    const __m256i mm = _mm256_madd_epi16(TL_FN(load)(xb->bsums), mins);
-                    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mm), ndmin,
-                                                     _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));
+                    __m256i a = A[r][cc];
+                    if (R <= 2) a = _mm256_add_epi32(a, B[r][cc]);
+                    const __m256i s = _mm256_mullo_epi32(a, sc);
+                    const __m256i mm = _mm256_mullo_epi32(TL_FN(load)(xb->bs32), mn);
+                    /* -(mm dmin) + s d: one rounding, as fmaf(mm, -dmin, s d) */
+                    const __m256 v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), dmin,
+                                                      _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));
                     acc[r][cc] = _mm256_fmadd_ps(v, _mm256_broadcast_ss(&xb->d), acc[r][cc]);
                 }
             }
