@@ -502,8 +502,13 @@ def _open_llama_cli(
         raise PeerUnavailable(
             f"{spec.name} runs GGUF files; target {target.name} was loaded from {src}"
         )
+    from speculant import native
+
+    # the cores our own run uses: the native kernels' threads when the target runs on them
+    if native.available() and target.dtype_name == "gguf":
+        threads = native.THREADS
     ctx = str(max(max_context + 1024, 2048))
-    args = ["-m", str(src), "-t", str(threads), "-c", ctx, "--no-warmup"]
+    args = ["-m", str(src), "-t", str(threads), "-c", ctx]
     settings: dict[str, Any] = {"tool": str(tool), "model_file": str(src), "threads": threads}
     if speculative:
         dsrc = draft.source if draft is not None else None
@@ -514,7 +519,7 @@ def _open_llama_cli(
         settings.update(draft_file=str(dsrc), spec_draft_n_max=k)
         text = f"llama.cpp {tool_name} with the draft {dsrc.name}, up to {k} drafts a step"
     else:
-        args += ["-no-cnv", "--no-display-prompt"]
+        args += ["-no-cnv", "--no-display-prompt", "--no-warmup"]
         text = f"llama.cpp {tool_name}, plain, on the same GGUF file, one process a request"
     impl = _LlamaCliImpl(tool, args, target, speculative)
     return Peer(spec, "llama.cpp", tool_name, text, settings, src.stat().st_size, impl)

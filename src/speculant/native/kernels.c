@@ -387,7 +387,7 @@ typedef struct {
     int8_t q[256];
 } xg_t;
 
-static void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
+static void quantize_block_scalar(const float *x, int n, float *d_out, int8_t *q) {
     float amax = 0.0f;
     for (int i = 0; i < n; i++) {
         float a = fabsf(x[i]);
@@ -403,7 +403,63 @@ static void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
     *d_out = d;
 }
 
+#ifdef SPEC_X86
+/* The same numbers as quantize_block_scalar (n a multiple of 8): the maximum of |x| is
+ * exact in any order, and x * id is rounded half to even as nearbyintf does. */
+__attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const float *x, int n,
+                                                                         float *d_out, int8_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float amax = _mm_cvtss_f32(m4);
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 idv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), idv),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+        const __m256i w = _mm256_cvtps_epi32(v);
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w16, w16));
+    }
+    *d_out = amax / 127.0f;
+}
+#endif
+
+static int resolve_path(void);
+
+/* int8 codes of n values (a multiple of 8) and their scale: round(x * 127 / max|x|). */
+static void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
+#ifdef SPEC_X86
+    if (resolve_path() >= PATH_AVX2) {
+        quantize_block_avx2(x, n, d_out, q);
+        return;
+    }
+#endif
+    quantize_block_scalar(x, n, d_out, q);
+}
+
+/* Copies 4-byte words: dst word w = src word from[w], for the 64 words of 256 codes. */
+static inline void permute_words(const int8_t *src, const uint8_t from[64], int8_t *dst) {
+    for (int w = 0; w < 64; w++) memcpy(dst + 4 * w, src + 4 * from[w], 4);
+}
+
+/* Word w = 8t + l of the packed order reads word (value / 4) of the value order. */
+static uint8_t g_from16[64], g_from32[64];
+static void init_perms(void) {
+    for (int t = 0; t < 8; t++)
+        for (int l = 0; l < 8; l++) {
+            g_from16[8 * t + l] = (uint8_t)(by16(t, l, 0) / 4);
+            g_from32[8 * t + l] = (uint8_t)(by32(t, l, 0) / 4);
+        }
+}
+static pthread_once_t g_perms_once = PTHREAD_ONCE_INIT;
+
 static void quantize_row_k(const float *x, int64_t K, xk_t *out) {
+    pthread_once(&g_perms_once, init_perms);
     for (int64_t b = 0; b < K / 256; b++) {
         int8_t q[256];
         quantize_block(x + b * 256, 256, &out[b].d, q);
@@ -413,29 +469,27 @@ static void quantize_row_k(const float *x, int64_t K, xk_t *out) {
             out[b].bsums[j] = (int16_t)sum;
         }
         for (int j = 0; j < 8; j++) out[b].bs32[j] = out[b].bsums[2 * j] + out[b].bsums[2 * j + 1];
-        for (int t = 0; t < 8; t++)
-            for (int j = 0; j < 32; j++) {
-                out[b].q16[32 * t + j] = q[by16(t, j >> 2, j & 3)];
-                out[b].q32[32 * t + j] = q[by32(t, j >> 2, j & 3)];
-            }
+        permute_words(q, g_from16, out[b].q16);
+        permute_words(q, g_from32, out[b].q32);
     }
 }
 
 static void quantize_row_g(const float *x, int64_t K, xg_t *out) {
+    pthread_once(&g_perms_once, init_perms);
     const int64_t nb = K / 32;
     for (int64_t g = 0; g < (nb + 7) / 8; g++) {
         xg_t *o = out + g;
+        int8_t q[256];
         memset(o, 0, sizeof *o);
+        memset(q, 0, sizeof q);
         for (int l = 0; l < 8 && 8 * g + l < nb; l++) {
-            int8_t q[32];
-            quantize_block(x + 32 * (8 * g + l), 32, &o->d[l], q);
+            quantize_block(x + 32 * (8 * g + l), 32, &o->d[l], q + 32 * l);
             int sum = 0;
-            for (int i = 0; i < 32; i++) sum += q[i];
+            for (int i = 0; i < 32; i++) sum += q[32 * l + i];
             o->bs[l] = sum;
             o->s[l] = o->d[l] * (float)sum;
-            for (int t = 0; t < 8; t++)
-                for (int b = 0; b < 4; b++) o->q[32 * t + 4 * l + b] = q[4 * t + b]; /* by32 */
         }
+        permute_words(q, g_from32, o->q); /* block l's value 4t + b is value 32l + 4t + b */
     }
 }
 
