@@ -95,7 +95,14 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Draw one token per row. probs: [n, vocab] -> ids: [n] (int64)."""
+    """Draw one token per row. probs: [n, vocab] -> ids: [n] (int64).
+
+    When every row holds all its mass on one token (every greedy row does), that token
+    is the draw: no randomness is needed, and multinomial over a 150k vocabulary costs
+    ~3 ms on a CPU core, a tenth of a 1.5B decode step."""
+    top, ids = probs.max(dim=-1)
+    if bool((top == 1.0).all()) and bool(((probs > 0).sum(dim=-1) == 1).all()):
+        return ids
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
