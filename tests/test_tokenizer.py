@@ -507,3 +507,37 @@ def test_real_smollm2_matches_transformers(smol_reference: Any) -> None:
     assert tok.bos_token_id == ref.bos_token_id
     assert tok.eos_token_id == ref.eos_token_id
     assert tok.vocab_size == len(ref)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_streamed_text_equals_a_whole_decode_in_linear_work(name: str) -> None:
+    """The scheduler's TextTracker decodes incrementally: after every token its text is
+    what decoding all the ids at once gives (long whitespace tokens, multi-byte
+    characters split over byte tokens, special tokens, a space-prefix tokenizer), and
+    the ids it decodes in all grow linearly with the output, not quadratically."""
+    import random
+    from types import SimpleNamespace
+
+    from speculant.scheduler import TextTracker
+
+    tok = real_tokenizer(name)
+    decoded = [0]
+
+    class Counting:
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            decoded[0] += len(ids)
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    text = "".join(VARIED_TEXTS) + "def f(x):\n" + " " * 40 + "return x  # ünïcödé 漢字 🙂\n"
+    ids = tok.encode(text * 4, add_special_tokens=False)
+    rng = random.Random(0)
+    noise = [rng.randrange(tok.vocab_size) for _ in range(300)]
+    for seq in (ids, noise):
+        decoded[0] = 0
+        tracker = TextTracker(SimpleNamespace(tokenizer=Counting()), ("never-here",))  # type: ignore[arg-type]
+        for i, t in enumerate(seq):
+            tracker.push(t)
+            assert tracker.text == tok.decode(seq[: i + 1], skip_special_tokens=True), i
+        n = len(seq)
+        assert decoded[0] < n * n / 8, (decoded[0], n)

@@ -361,7 +361,14 @@ class TextTracker:
     """Decoded output text, stop-string detection, and what is safe to stream so far.
 
     The text is decoded once per step (when it is released), or once per token only
-    when stop strings must be checked token by token."""
+    when stop strings must be checked token by token. Decoding is incremental: the text
+    of ids[:frozen] is kept, and only the tail after it is decoded again. The frozen
+    point moves forward only to a split where decoding the two sides apart gives the
+    same text as decoding them together (a whole UTF-8 character, no space a tokenizer
+    strips or cleans up across the split), so `text` always equals decoding every id at
+    once, and a token costs a decode of a bounded tail instead of the whole output."""
+
+    TAIL = 16  # tokens kept undecided behind the newest one
 
     def __init__(self, model: Model, stop: tuple[str, ...]) -> None:
         self.tokenizer = model.tokenizer
@@ -369,6 +376,8 @@ class TextTracker:
         self.ids: list[int] = []
         self._text = ""
         self._decoded = 0  # len(ids) when _text was decoded
+        self._frozen = 0  # ids[:_frozen] decode to _frozen_text, whatever follows
+        self._frozen_text = ""
         self.cut: int | None = None  # index of a found stop string
         self.released = 0
         if stop and self.tokenizer is None:
@@ -377,8 +386,18 @@ class TextTracker:
     @property
     def text(self) -> str:
         if self._decoded != len(self.ids) and self.tokenizer is not None:
-            self._text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            decode = self.tokenizer.decode
+            tail = decode(self.ids[self._frozen :], skip_special_tokens=True)
+            self._text = self._frozen_text + tail
             self._decoded = len(self.ids)
+            if len(self.ids) - self._frozen >= 2 * self.TAIL:
+                cut = len(self.ids) - self.TAIL
+                head = decode(self.ids[self._frozen : cut], skip_special_tokens=True)
+                if (
+                    tail.startswith(head)
+                    and decode(self.ids[cut:], skip_special_tokens=True) == tail[len(head) :]
+                ):
+                    self._frozen, self._frozen_text = cut, self._frozen_text + head
         return self._text
 
     def push(self, token: int) -> bool:
