@@ -47,12 +47,10 @@ def measure(
     cache = model.new_cache(context + max(widths) + new + 8)
     model.prefill(ids, cache)
 
-    defaults = {knob: native.tune(knob, 0) for knob in native.TUNING_KNOBS} if any(paths) else {}
-    for knob, value in defaults.items():
-        native.tune(knob, value)
+    defaults = native.tuning() if any(paths) else {}
 
     def use(path: str) -> None:
-        """`path` is a kernel path, optionally with tuning knobs: avx512vnni+one_col_rows=4"""
+        """`path` is a kernel path, optionally with tuning knobs: avx512vnni+prefetch_rows=2"""
         if path:
             name, *knobs = path.split("+")
             native.set_path(name)
@@ -110,7 +108,7 @@ def main() -> None:
         "--paths",
         default="",
         help="native kernel paths to compare for gguf, taking turns (e.g. avx2,avx512vnni),"
-        " each optionally with tuning knobs (avx512vnni+one_col_rows=4+prefetch_bytes=4096);"
+        " each optionally with tuning knobs (avx512vnni+prefetch_rows=1+prefetch_bytes=4096);"
         " default: the one the CPU picks",
     )
     p.add_argument("--out", type=Path, default=Path("bench-out/pass"))

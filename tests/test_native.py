@@ -346,3 +346,27 @@ def test_missing_kernels_fall_back_to_int8_with_one_line() -> None:
     assert out.stdout.strip() == "int8"
     assert "native kernels unavailable (SPECULANT_NATIVE=0 turns them off)" in out.stderr
     assert "running int8 weights through PyTorch instead" in out.stderr
+
+
+def test_tuning_knobs_change_no_result() -> None:
+    """The benchmark knobs (prefetch distance, chunking) leave every product's bits alone,
+    and out-of-range values are refused by name."""
+    n, k = 67, 512
+    raw = random_matrix(native.Q4_K, n, k, seed=9)
+    matrix = native.NativeMatrix([(native.Q4_K, raw, n)], k)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(10))
+    before = native.tuning()
+    want = matrix.matmul(x, threads=2)
+    try:
+        for knob, value in [("prefetch_rows", 0), ("prefetch_bytes", 8192), ("max_chunk_cols", 4)]:
+            native.tune(knob, value)
+            native.tune("chunks_per_thread", 1 if knob == "max_chunk_cols" else 64)
+            assert torch.equal(matrix.matmul(x, threads=2), want), knob
+    finally:
+        for knob, value in before.items():
+            native.tune(knob, value)
+    assert native.tuning() == before
+    with pytest.raises(ValueError, match="max_chunk_cols=3: a value >= 4"):
+        native.tune("max_chunk_cols", 3)
+    with pytest.raises(ValueError, match="unknown knob"):
+        native.tune("one_col_rows", 1)

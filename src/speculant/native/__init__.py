@@ -143,27 +143,32 @@ def active_path() -> str:
     return _PATH_NAMES[_need().spec_active_path()]
 
 
+# knob -> (id in spec_tune, least value)
 TUNING_KNOBS = {
-    "one_col_rows": 0,
-    "prefetch_bytes": 1,
-    "chunks_per_thread": 2,
-    "max_chunk_cols": 3,
-    "prefetch_rows": 4,
+    "prefetch_bytes": (0, 0),
+    "prefetch_rows": (1, 0),
+    "chunks_per_thread": (2, 1),
+    "max_chunk_cols": (3, 4),
 }
 
 
 def tune(knob: str, value: int) -> int:
     """Set a kernel tuning knob for benchmarks (results never depend on it); returns the
-    old value. `one_col_rows`: passes of up to this many rows use one-column tiles;
-    `prefetch_bytes`: how far ahead a pass of at least `prefetch_rows` rows asks for
-    weights (0: not at all);
-    `chunks_per_thread` and `max_chunk_cols`: how the columns are cut into the chunks
-    that threads take."""
+    old value. `prefetch_bytes`: how far ahead a pass of at least `prefetch_rows` rows
+    asks for weights (0: not at all); `chunks_per_thread` and `max_chunk_cols`: how the
+    columns are cut into the chunks that threads take."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
-    if value < 0:
-        raise ValueError(f"{knob}={value}: a value >= 0 is wanted")
-    return int(_need().spec_tune(TUNING_KNOBS[knob], value))
+    knob_id, least = TUNING_KNOBS[knob]
+    if value < least:
+        raise ValueError(f"{knob}={value}: a value >= {least} is wanted")
+    return int(_need().spec_tune(knob_id, value))
+
+
+def tuning() -> dict[str, int]:
+    """The knobs' current values."""
+    lib = _need()
+    return {knob: int(lib.spec_tune(knob_id, -1)) for knob, (knob_id, _) in TUNING_KNOBS.items()}
 
 
 def row_bytes(ggml_type: int, k: int) -> int:

@@ -272,6 +272,11 @@ static inline int64_t row_units(int type, int64_t K) {
     return is_kquant(type) ? K / 256 : (K / 32 + 7) / 8;
 }
 
+/* Where a packed legacy group's codes (nibble chunks, or Q8_0's bytes) start. */
+static inline int legacy_codes_at(int type) {
+    return type == T_Q4_1 ? 32 : type == T_Q5_0 ? 48 : 16;
+}
+
 /* The offset a legacy format's unsigned code carries (value = d (code - offset)). */
 static inline int legacy_offset(int type) {
     return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? 128 : 0;
@@ -331,10 +336,10 @@ static void repack_group(int type, const uint8_t *blks, int nblk, uint8_t *out) 
 #define CODE(t, j) code[(j) >> 2][4 * (t) + ((j) & 3)]
     if (type == T_Q8_0) {
         for (int t = 0; t < 8; t++)
-            for (int j = 0; j < 32; j++) out[16 + 32 * t + j] = CODE(t, j);
+            for (int j = 0; j < 32; j++) out[legacy_codes_at(type) + 32 * t + j] = CODE(t, j);
         return;
     }
-    uint8_t *nib = out + (type == T_Q4_1 ? 32 : type == T_Q5_0 ? 48 : 16);
+    uint8_t *nib = out + legacy_codes_at(type);
     for (int c = 0; c < 4; c++)
         for (int j = 0; j < 32; j++)
             nib[32 * c + j] = (uint8_t)((CODE(c, j) & 15) | ((CODE(c + 4, j) & 15) << 4));
@@ -529,12 +534,10 @@ typedef struct {
 /* The 8 registers of a packed unit as unsigned codes, register t at reg[32 t ...]. */
 static void unpack_unit(int type, const uint8_t *u, uint8_t reg[256]) {
     if (type == T_Q8_0) {
-        memcpy(reg, u + 16, 256);
+        memcpy(reg, u + legacy_codes_at(type), 256);
         return;
     }
-    const uint8_t *nib = type == T_Q4_K ? u + 20
-                         : type == T_Q6_K ? u
-                         : u + (type == T_Q4_1 ? 32 : type == T_Q5_0 ? 48 : 16);
+    const uint8_t *nib = type == T_Q4_K ? u + 20 : type == T_Q6_K ? u : u + legacy_codes_at(type);
     for (int c = 0; c < 4; c++)
         for (int j = 0; j < 32; j++) {
             reg[32 * c + j] = nib[32 * c + j] & 15;
@@ -662,12 +665,6 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #define TL_COLS 1
 #define TL_PIN(v) __asm__("" : "+x"(v))
 #include "tiles.h"
-#undef TL_ATTR
-#undef TL_FN
-#undef TL_VNNI
-#undef TL_COLS
-#undef TL_ROWS
-#undef TL_PIN
 
 #define TL_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define TL_FN(name) name##_avx512
@@ -676,12 +673,6 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #define TL_COLS 2
 #define TL_PIN(v) __asm__("" : "+v"(v))
 #include "tiles.h"
-#undef TL_ATTR
-#undef TL_FN
-#undef TL_VNNI
-#undef TL_COLS
-#undef TL_ROWS
-#undef TL_PIN
 
 #define TL_ATTR                                                                                  \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
@@ -691,69 +682,50 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #define TL_COLS 2
 #define TL_PIN(v) __asm__("" : "+v"(v))
 #include "tiles.h"
-#undef TL_ATTR
-#undef TL_FN
-#undef TL_VNNI
-#undef TL_COLS
-#undef TL_ROWS
-#undef TL_PIN
 
-/* Tuning, set by spec_tune (benchmarks); no result depends on them. Passes of up to
- * g_one_col_rows rows take one-column tiles. A pass may ask for the weights
- * g_prefetch_bytes ahead (0: leave it to the hardware prefetcher, which measured faster
- * on a Zen 4 EPYC for passes of fewer than g_prefetch_rows rows once a block took few
+/* Tuning, set by spec_tune (benchmarks); no result depends on them. A pass may ask for
+ * the weights g_prefetch_bytes ahead when it has at least g_prefetch_rows rows (below
+ * that the hardware prefetcher measured faster on a Zen 4 EPYC once a block took few
  * instructions: a 1-row pass 52 -> 41 ms with longer chunks; at 8 rows asking 2 KiB
  * ahead measured 128 -> 117 ms). Threads take chunks of about columns / (threads x
  * g_chunks_per_thread) columns, at most g_max_chunk_cols: long runs of contiguous
  * weights for each core's stream. */
-static int g_one_col_rows = 4;
 static int g_prefetch_bytes = 2048;
 static int g_prefetch_rows = 5;
 static int g_chunks_per_thread = 8;
 static int g_max_chunk_cols = 512;
 
+/* Asks for columns [*next, want) of a part (one whole column at a time). */
+static inline void prefetch_cols(const part_t *p, int64_t *next, int64_t want) {
+    for (; *next < want; (*next)++) {
+        const char *col = (const char *)p->w + *next * p->row_bytes;
+        for (int64_t o = 0; o < p->row_bytes; o += 64) _mm_prefetch(col + o, _MM_HINT_T0);
+    }
+}
+
 static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const int kind = kind_of(p->type);
-    const int cols = jb->m <= g_one_col_rows || jb->m <= ts->rows ? 1 : ts->cols;
+    /* A pass of up to ts->rows rows (a decode step or a verify pass) is one tile, a
+     * column at a time: each weight block is decoded once for all its rows. More rows (a
+     * prefill) go a block of rows at a time, in tiles of MANY_ROWS_TILE over pairs of
+     * columns, so that the block's quantized activations stay in L2 while the chunk's
+     * columns pass over them; column outer, row tiles inner, so a column's blocks stay in
+     * L1 across the tiles. */
+    const int one_tile = jb->m <= ts->rows;
+    const int cols = one_tile ? 1 : ts->cols;
+    const int64_t tile_rows = one_tile ? jb->m : MANY_ROWS_TILE;
+    const int64_t rb = one_tile ? jb->m : jb->row_block;
     const int64_t pf_bytes = jb->m >= g_prefetch_rows ? g_prefetch_bytes : 0;
-    /* column outer, row tiles inner: a column's blocks stay in L1 across the tiles.
-     * Many rows (a prefill) are taken a block of rows at a time, so that the block's
-     * quantized activations stay in L2 while the chunk's columns pass over them (all
-     * rows at once would stream every activation from L3 again for every column). */
-    const int64_t rb = jb->row_block;
-    if (jb->m <= ts->rows) {
-        /* One tile of rows: the pass is bound by reading the weights (optionally asked
-         * for g_prefetch_bytes ahead). */
-        const int64_t ahead = (pf_bytes + p->row_bytes - 1) / p->row_bytes;
-        const tile_fn *fns = ts->fn[kind][jb->m - 1];
-        int64_t pf = c0; /* the next column to ask for */
-        for (int64_t c = c0; c < c1;) {
-            const int C = c1 - c >= cols ? cols : 1;
-            const int64_t want = c + C + ahead < p->n ? c + C + ahead : p->n;
-            for (; ahead && pf < want; pf++) {
-                const char *nx = (const char *)p->w + pf * p->row_bytes;
-                for (int64_t o = 0; o < p->row_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
-            }
-            fns[C - 1](jb, p, 0, c);
-            c += C;
-        }
-        return;
-    }
     const int64_t ahead = (pf_bytes + p->row_bytes - 1) / p->row_bytes;
     for (int64_t b0 = 0; b0 < jb->m; b0 += rb) {
         const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m;
-        int64_t pf = c0;
+        int64_t next = c0; /* the next column to ask for */
         for (int64_t c = c0; c < c1;) {
             const int C = c1 - c >= cols ? cols : 1;
-            if (b0 == 0 && ahead) { /* the first row block reads the weights from memory */
-                const int64_t want = c + C + ahead < p->n ? c + C + ahead : p->n;
-                for (; pf < want; pf++) {
-                    const char *nx = (const char *)p->w + pf * p->row_bytes;
-                    for (int64_t o = 0; o < p->row_bytes; o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
-                }
-            }
-            for (int64_t r0 = b0; r0 < b1; r0 += MANY_ROWS_TILE) {
-                int64_t R = b1 - r0 < MANY_ROWS_TILE ? b1 - r0 : MANY_ROWS_TILE;
+            if (ahead && b0 == 0) /* the first row block reads the weights from memory */
+                prefetch_cols(p, &next, c + C + ahead < p->n ? c + C + ahead : p->n);
+            for (int64_t r0 = b0; r0 < b1; r0 += tile_rows) {
+                const int64_t R = b1 - r0 < tile_rows ? b1 - r0 : tile_rows;
                 ts->fn[kind][R - 1][C - 1](jb, p, r0, c);
             }
             c += C;
@@ -969,20 +941,20 @@ int spec_set_path(int path) {
 
 int spec_active_path(void) { return resolve_path(); }
 
-/* Benchmark knobs (results never depend on them): 0 the most rows a pass may have and
- * still take two-column tiles' one-column form, 1 the prefetch distance in bytes, 2 chunks
- * per thread, 3 the most columns in a chunk, 4 the fewest rows a pass prefetches for. Returns the old value, or -1 for an unknown
- * knob. */
+/* Benchmark knobs (results never depend on them): 0 the prefetch distance in bytes, 1 the
+ * fewest rows a pass prefetches for, 2 chunks per thread, 3 the most columns in a chunk.
+ * A value of -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value
+ * below the knob's least (0, 0, 1, 4). */
 int spec_tune(int knob, int value) {
-    int old;
-    switch (knob) {
-    case 0: old = g_one_col_rows; if (value >= 0) g_one_col_rows = value; return old;
-    case 1: old = g_prefetch_bytes; if (value >= 0) g_prefetch_bytes = value; return old;
-    case 2: old = g_chunks_per_thread; if (value >= 1) g_chunks_per_thread = value; return old;
-    case 3: old = g_max_chunk_cols; if (value >= 4) g_max_chunk_cols = value; return old;
-    case 4: old = g_prefetch_rows; if (value >= 0) g_prefetch_rows = value; return old;
-    default: return -1;
-    }
+    static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
+                                 &g_max_chunk_cols};
+    static const int least[] = {0, 0, 1, 4};
+    if (knob < 0 || knob > 3) return -1;
+    const int old = *knobs[knob];
+    if (value == -1) return old;
+    if (value < least[knob]) return -2;
+    *knobs[knob] = value;
+    return old;
 }
 
 int spec_supported(int type) {

@@ -6,7 +6,8 @@
  *   TL_VNNI      1 where vpdpbusd takes the 4-byte dot products, 0 for maddubs + madd,
  *   TL_COLS      the most columns a tile takes (2 where 32 vector registers exist),
  *   TL_ROWS      the most rows a one-column tile takes (8 where 32 registers exist),
- *   TL_PIN(v)    an empty asm that keeps an accumulator in its register.
+ *   TL_PIN(v)    an empty asm that keeps an accumulator in its register;
+ * it undefines them at its end.
  * A tile is R rows (1..TL_ROWS) by one column, or up to 4 rows by C columns
  * (1..TL_COLS). Each weight register is decoded once
  * and used for every row of the tile; each activation register once for every column.
@@ -143,13 +144,11 @@ TL_FN(lg_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     const int64_t nu = jb->ng;
     const int64_t ub = p->unit_bytes;
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    const int nib_at = type == T_Q4_1 ? 32 : type == T_Q5_0 ? 48 : 16;
-#if TL_VNNI
-    const int off_shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : type == T_Q8_0 ? 7 : 0;
-#else
-    /* Q8_0 takes signed codes here: its sums need no offset */
-    const int off_shift = type == T_Q4_0 ? 3 : type == T_Q5_0 ? 4 : 0;
-#endif
+    const int codes_at = legacy_codes_at(type);
+    /* the code offsets are powers of two (or 0); without VNNI Q8_0 takes signed codes,
+     * whose sums need no offset */
+    const int offset = !TL_VNNI && type == T_Q8_0 ? 0 : legacy_offset(type);
+    const int off_shift = offset ? __builtin_ctz((unsigned)offset) : 0;
     const uint8_t *wrow[TL_COLS];
     for (int cc = 0; cc < C; cc++) wrow[cc] = p->w + (c + cc) * p->row_bytes;
     const xg_t *xrow[MAX_ROWS_TILE];
@@ -168,15 +167,15 @@ TL_FN(lg_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
             __m256i lo[TL_COLS], hi[TL_COLS];
             for (int cc = 0; cc < C; cc++) {
                 if (type == T_Q8_0) {
-                    lo[cc] = TL_FN(load)(g[cc] + 16 + 32 * ch);
-                    hi[cc] = TL_FN(load)(g[cc] + 16 + 32 * (ch + 4));
+                    lo[cc] = TL_FN(load)(g[cc] + codes_at + 32 * ch);
+                    hi[cc] = TL_FN(load)(g[cc] + codes_at + 32 * (ch + 4));
 #if !TL_VNNI
                     const __m256i flip = _mm256_set1_epi8((char)0x80);
                     lo[cc] = _mm256_xor_si256(lo[cc], flip);
                     hi[cc] = _mm256_xor_si256(hi[cc], flip);
 #endif
                 } else {
-                    const __m256i q = TL_FN(load)(g[cc] + nib_at + 32 * ch);
+                    const __m256i q = TL_FN(load)(g[cc] + codes_at + 32 * ch);
                     lo[cc] = _mm256_and_si256(q, m4);
                     hi[cc] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
                     if (type == T_Q5_0) {
@@ -286,3 +285,9 @@ static const tile_set TL_FN(tiles) = {
 #undef TL_Q80
 #undef TL_Q4K
 #undef TL_Q6K
+#undef TL_ATTR
+#undef TL_FN
+#undef TL_VNNI
+#undef TL_COLS
+#undef TL_ROWS
+#undef TL_PIN
