@@ -359,56 +359,47 @@ def _load_warnings(
 
 
 @pytest.mark.real
-def test_tampered_weight_cache_is_rebuilt(
-    smol_pristine: tuple[Path, dict[str, Any]],
-    smol_copy: Path,
-    caplog: pytest.LogCaptureFixture,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    cache = weight_cache.cache_path(smol_copy, "bfloat16")
-    recorded = json.loads(derived.record_path(cache).read_text())["sha256"]
-    tampered = _overwrite_middle(cache, 8 << 20)  # 8 MiB of the 269 MB bfloat16 weights
-    rebuilds = _Rebuilds(monkeypatch)
-    model, warnings = _load_warnings(smol_copy, caplog, capsys)
-    assert len(warnings) == 1, warnings
-    assert str(cache) in warnings[0] and tampered in warnings[0] and recorded in warnings[0]
-    assert "rebuilding" in warnings[0]
-    assert (rebuilds.weights, rebuilds.tokenizer) == (1, 0)
-    assert _outputs(model) == smol_pristine[1]
-    # Rebuilt in place with a new record (safetensors may order the header's metadata
-    # differently, so the bytes need not equal the first build's), and the next load uses it.
-    assert derived.problem(cache, SMOL_SHA) is None
-    assert json.loads(derived.record_path(cache).read_text())["sha256"] != tampered
-    model, warnings = _load_warnings(smol_copy, caplog, capsys)
-    assert warnings == [] and rebuilds.weights == 1
-    assert not [p for p in smol_copy.parent.iterdir() if p.name.endswith((".partial", ".tmp"))]
-
-
-@pytest.mark.real
-@pytest.mark.parametrize("name", TOKENIZER_FILES)
-def test_tampered_tokenizer_cache_is_rebuilt(
+@pytest.mark.parametrize(
+    ("name", "nbytes", "rebuilt"),
+    [
+        ("bfloat16 weights", 8 << 20, (1, 0)),  # 8 MiB of the 269 MB weight cache
+        *[(name, 32, (0, 1)) for name in TOKENIZER_FILES],
+    ],
+)
+def test_tampered_cache_is_rebuilt(
     name: str,
+    nbytes: int,
+    rebuilt: tuple[int, int],
     smol_pristine: tuple[Path, dict[str, Any]],
     smol_copy: Path,
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    path = smol_copy.with_name(smol_copy.stem + ".tokenizer") / name
+    """Bytes overwritten in a cache (the weights, or either tokenizer file): the load warns
+    once naming the file and both digests, rebuilds that cache alone from the verified
+    GGUF, gives the clean cache's outputs, and the next load is silent."""
+    tok_dir = smol_copy.with_name(smol_copy.stem + ".tokenizer")
+    is_weights = name == "bfloat16 weights"
+    path = weight_cache.cache_path(smol_copy, "bfloat16") if is_weights else tok_dir / name
     recorded = json.loads(derived.record_path(path).read_text())["sha256"]
-    tampered = _overwrite_middle(path, 32)
+    tampered = _overwrite_middle(path, nbytes)
     rebuilds = _Rebuilds(monkeypatch)
     model, warnings = _load_warnings(smol_copy, caplog, capsys)
     assert len(warnings) == 1, warnings
     assert str(path) in warnings[0] and tampered in warnings[0] and recorded in warnings[0]
-    assert (rebuilds.weights, rebuilds.tokenizer) == (0, 1)
+    assert "rebuilding" in warnings[0]
+    assert (rebuilds.weights, rebuilds.tokenizer) == rebuilt
     assert _outputs(model) == smol_pristine[1]
+    # Rebuilt in place with a new record (safetensors may order the header's metadata
+    # differently, so the bytes need not equal the first build's), and the next load uses it.
     assert derived.problem(path, SMOL_SHA) is None
+    assert json.loads(derived.record_path(path).read_text())["sha256"] != tampered
     assert registry.sha256_file(path) != tampered
     model, warnings = _load_warnings(smol_copy, caplog, capsys)
-    assert warnings == [] and rebuilds.tokenizer == 1
-    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    assert warnings == [] and (rebuilds.weights, rebuilds.tokenizer) == rebuilt
+    for folder in (smol_copy.parent, tok_dir):
+        assert not [p for p in folder.iterdir() if p.name.endswith((".partial", ".tmp"))]
 
 
 @pytest.mark.real
