@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speculant import native
 from speculant.models.model import Model
 
 TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-lookup")
@@ -346,13 +347,19 @@ class _DraftCounter:
         return out
 
 
-def _open_llama_cpp(spec: PeerSpec, target: Model, max_context: int, threads: int) -> Peer:
-    llama_cpp = _require("llama_cpp")
+def _gguf_source(spec: PeerSpec, target: Model) -> Path:
+    """The GGUF file `target` was loaded from: llama.cpp's peers run that same file."""
     src = target.source
     if src is None or src.suffix != ".gguf":
         raise PeerUnavailable(
             f"{spec.name} runs GGUF files; target {target.name} was loaded from {src}"
         )
+    return src
+
+
+def _open_llama_cpp(spec: PeerSpec, target: Model, max_context: int, threads: int) -> Peer:
+    llama_cpp = _require("llama_cpp")
+    src = _gguf_source(spec, target)
     version = getattr(llama_cpp, "__version__", "?")
     counter = None
     settings: dict[str, Any] = {
@@ -497,13 +504,7 @@ def _open_llama_cli(
     tool = llama_cli_binary(tool_name)
     if tool is None:
         raise PeerUnavailable(f"{tool_name} was not found; {LLAMA_CLI_HINT}")
-    src = target.source
-    if src is None or src.suffix != ".gguf":
-        raise PeerUnavailable(
-            f"{spec.name} runs GGUF files; target {target.name} was loaded from {src}"
-        )
-    from speculant import native
-
+    src = _gguf_source(spec, target)
     # the cores our own run uses: the native kernels' threads when the target runs on them
     if native.available() and target.dtype_name == "gguf":
         threads = native.THREADS
