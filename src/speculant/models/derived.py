@@ -19,12 +19,13 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from speculant.models.registry import sha256_file
 
-__all__ = ["RECORD_SUFFIX", "atomic_write", "problem", "record_path", "write_record"]
+__all__ = ["RECORD_SUFFIX", "atomic_path", "atomic_write", "problem", "record_path", "write_record"]
 
 RECORD_SUFFIX = ".source.json"
 RECORD_VERSION = 1
@@ -34,19 +35,27 @@ def record_path(path: Path) -> Path:
     return path.with_name(path.name + RECORD_SUFFIX)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``:
-    a reader sees the old file or the new one, never a half-written one."""
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write; renamed over ``path`` when the block
+    ends without an error, removed otherwise: a reader sees the old file or the new one,
+    never a half-written one."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        yield Path(tmp)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through `atomic_path`."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def write_record(path: Path, source: Path, source_sha256: str, *, data: bytes | None = None) -> str:

@@ -16,8 +16,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -87,21 +85,17 @@ def save(gguf: Path, label: str, config: ModelConfig, weights: Weights, source_s
 
     target = cache_path(gguf, label)
     meta = {"key": json.dumps(_key(gguf, label)), "config": json.dumps(dataclasses.asdict(config))}
-    tmp: Path | None = None
+    written = False
     try:
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=gguf.parent)
-        os.close(fd)
-        tmp = Path(name)
-        save_file(_flatten(weights), str(tmp), metadata=meta)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, target)
-        tmp = None
+        with derived.atomic_path(target) as tmp:
+            save_file(_flatten(weights), str(tmp), metadata=meta)
+        written = True
         derived.write_record(target, gguf, source_sha256)
     except OSError as exc:
         log.warning("could not cache converted weights at %s: %s", target, exc)
-        # No file left half-written, nor one without its record.
-        with contextlib.suppress(OSError):
-            (tmp if tmp is not None else target).unlink(missing_ok=True)
+        if written:  # no cache file left without its record
+            with contextlib.suppress(OSError):
+                target.unlink()
 
 
 def load(gguf: Path, label: str, source_sha256: str) -> tuple[ModelConfig, Weights] | None:
