@@ -436,13 +436,16 @@ __attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const f
 
 static int resolve_path(void);
 
-/* int8 codes of n values (a multiple of 8) and their scale: round(x * 127 / max|x|). */
-static void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
+/* int8 codes of n values (a multiple of 8) and their scale: round(x * 127 / max|x|), by
+ * the routine of `path` (the same numbers on every path). */
+static void quantize_block(const float *x, int n, float *d_out, int8_t *q, int path) {
 #ifdef SPEC_X86
-    if (resolve_path() >= PATH_AVX2) {
+    if (path >= PATH_AVX2) {
         quantize_block_avx2(x, n, d_out, q);
         return;
     }
+#else
+    (void)path;
 #endif
     quantize_block_scalar(x, n, d_out, q);
 }
@@ -463,11 +466,11 @@ static void init_perms(void) {
 }
 static pthread_once_t g_perms_once = PTHREAD_ONCE_INIT;
 
-static void quantize_row_k(const float *x, int64_t K, xk_t *out) {
+static void quantize_row_k(const float *x, int64_t K, xk_t *out, int path) {
     pthread_once(&g_perms_once, init_perms);
     for (int64_t b = 0; b < K / 256; b++) {
         int8_t q[256];
-        quantize_block(x + b * 256, 256, &out[b].d, q);
+        quantize_block(x + b * 256, 256, &out[b].d, q, path);
         for (int j = 0; j < 16; j++) {
             int sum = 0;
             for (int i = 0; i < 16; i++) sum += q[j * 16 + i];
@@ -479,7 +482,7 @@ static void quantize_row_k(const float *x, int64_t K, xk_t *out) {
     }
 }
 
-static void quantize_row_g(const float *x, int64_t K, xg_t *out) {
+static void quantize_row_g(const float *x, int64_t K, xg_t *out, int path) {
     pthread_once(&g_perms_once, init_perms);
     const int64_t nb = K / 32;
     for (int64_t g = 0; g < (nb + 7) / 8; g++) {
@@ -488,7 +491,7 @@ static void quantize_row_g(const float *x, int64_t K, xg_t *out) {
         memset(o, 0, sizeof *o);
         memset(q, 0, sizeof q);
         for (int l = 0; l < 8 && 8 * g + l < nb; l++) {
-            quantize_block(x + 32 * (8 * g + l), 32, &o->d[l], q + 32 * l);
+            quantize_block(x + 32 * (8 * g + l), 32, &o->d[l], q + 32 * l, path);
             int sum = 0;
             for (int i = 0; i < 32; i++) sum += q[32 * l + i];
             o->bs[l] = sum;
@@ -1038,7 +1041,7 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
     if (needk) {
         xk = malloc(sizeof(xk_t) * (size_t)(m * jb.nk));
         if (!xk) return -4;
-        for (int64_t r = 0; r < m; r++) quantize_row_k(x + r * K, K, xk + r * jb.nk);
+        for (int64_t r = 0; r < m; r++) quantize_row_k(x + r * K, K, xk + r * jb.nk, jb.path);
     }
     if (needg) {
         xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
@@ -1046,7 +1049,7 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
             free(xk);
             return -4;
         }
-        for (int64_t r = 0; r < m; r++) quantize_row_g(x + r * K, K, xg + r * jb.ng);
+        for (int64_t r = 0; r < m; r++) quantize_row_g(x + r * K, K, xg + r * jb.ng, jb.path);
     }
     jb.xk = xk;
     jb.xg = xg;
@@ -1098,10 +1101,11 @@ int spec_quantize_rows(int kquant, const float *x, int64_t K, int64_t m, int8_t 
                        float *scales) {
     int per = kquant ? 256 : 32;
     if (K % per) return -2;
+    const int path = resolve_path();
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < K / per; b++)
             quantize_block(x + r * K + b * per, per, &scales[r * (K / per) + b],
-                           codes + r * K + b * per);
+                           codes + r * K + b * per, path);
     return 0;
 }
 
