@@ -110,11 +110,21 @@ def test_outputs_json_csv_plots(result: BenchResult, tmp_path: Path) -> None:
     assert md.count("\n| ") == len(result.rows) + 1 and "| speedup |" in md
 
 
-def test_sampled_runs_skip_the_identity_check(pair: tuple[Model, Model]) -> None:
+def test_unseeded_sampled_runs_skip_the_identity_check(pair: tuple[Model, Model]) -> None:
     target, _ = pair
-    config = BenchConfig(methods=["ngram:2"], max_tokens=6, temperature=0.8, seed=3)
+    config = BenchConfig(methods=["ngram:2"], max_tokens=6, temperature=0.8, seed=None)
     res = run_bench(target, None, config, workloads=[TINY_WORKLOAD.limited(1)])
     assert all(r["identical_share"] is None for r in res.rows)
+    assert res.lossless_failures == []
+
+
+def test_seeded_sampled_runs_are_checked_against_the_baseline(pair: tuple[Model, Model]) -> None:
+    """A seeded request's text does not depend on the method: sampled runs with a seed
+    must equal the baseline's tokens, like greedy ones."""
+    target, draft = pair
+    config = BenchConfig(methods=["ngram:2", "draft:3"], max_tokens=12, temperature=0.8, seed=3)
+    res = run_bench(target, draft, config, workloads=[TINY_WORKLOAD.limited(1)])
+    assert [r["identical_share"] for r in res.rows] == [1.0, 1.0, 1.0]
     assert res.lossless_failures == []
 
 

@@ -18,7 +18,7 @@ from conftest import tiny_model
 from speculant import Engine, SamplingParams
 from speculant.models.model import Model
 from speculant.rejection import verify_chain
-from speculant.sampling import process_logits
+from speculant.sampling import process_logits, sample
 
 VOCAB = 8
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
@@ -74,9 +74,29 @@ SETTINGS = [
 ]
 
 
+def unseeded(monkeypatch, start: int) -> None:  # type: ignore[no-untyped-def]
+    """Make unseeded requests (the standard accept / resample rule) reproducible: each
+    request's generator gets the next seed of a counter instead of fresh entropy."""
+    import itertools
+
+    import speculant.scheduler
+
+    counter = itertools.count(start)
+    monkeypatch.setattr(
+        speculant.scheduler,
+        "make_generator",
+        lambda _: torch.Generator().manual_seed(next(counter)),
+    )
+
+
 @pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_engine_samples_follow_target(tiny_root, params: SamplingParams, k: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("rule", ["standard", "coupled"])
+def test_engine_samples_follow_target(
+    tiny_root, monkeypatch, params: SamplingParams, k: int, rule: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Unseeded requests take the standard rule, seeded ones the coupled rule: both emit
+    the target's distribution, and neither the draft's."""
     target = tiny_model(tiny_root, "llama", seed=11, **SMALL)
     draft = tiny_model(tiny_root, "llama", seed=12, **SMALL)
     prompt = [1, 5, 2]
@@ -84,8 +104,10 @@ def test_engine_samples_follow_target(tiny_root, params: SamplingParams, k: int)
     n = 2500
     counts: Counter = Counter()  # type: ignore[type-arg]
     drafted = accepted = 0
+    unseeded(monkeypatch, 1000 * k)
     for i in range(n):
-        p = SamplingParams(**{**params.__dict__, "seed": 1000 * k + i})
+        seed = 1000 * k + i if rule == "coupled" else None
+        p = SamplingParams(**{**params.__dict__, "seed": seed})
         res = engine.generate(prompt, p)
         counts[tuple(res.token_ids[:2])] += 1
         drafted += res.stats.num_drafted
@@ -139,6 +161,7 @@ def test_greedy_rule_is_argmax() -> None:
 @pytest.mark.parametrize("method", ["ngram", "layer-skip", "suffix"])
 @pytest.mark.parametrize("k", [2, "auto"])
 def test_every_proposer_samples_follow_target(tiny_root, method: str, k) -> None:  # type: ignore[no-untyped-def]
+    """Seeded requests (the coupled rule) with every other proposer."""
     from speculant.proposers import available_methods
 
     if method not in available_methods():
@@ -192,3 +215,92 @@ def test_a_draft_with_zero_q_is_refused() -> None:
     with pytest.raises(ValueError, match="draft token 1 at draft position 0 has probability 0"):
         verify_tree([1], [-1], p, g, q_nodes=q)
     assert verify_chain([0], q, p, g).token_ids[0] in (0, 1)  # q > 0: the rule as before
+
+
+@pytest.mark.parametrize("draft_kind", ["sampled", "point-mass"])
+def test_coupled_rule_alone_preserves_p(draft_kind: str) -> None:
+    """verify_chain's coupled rule on fixed rows, one seed per trial: the first emitted
+    token follows p[0] and the second (after a kept draft) p[1], whether the drafts were
+    drawn from q with the same position noise or fixed; and a sampled draft is kept as
+    often as the noise makes q's and p's draws agree, more than chance would."""
+    from speculant.sampling import Coupled, seeded_pick
+
+    g = torch.Generator().manual_seed(0)
+    p_rows = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)  # [k+1, vocab]
+    q_rows = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)  # [k, vocab]
+    n = 20000
+    first: Counter = Counter()  # type: ignore[type-arg]
+    second: Counter = Counter()  # type: ignore[type-arg]
+    kept_first = 0
+    for i in range(n):
+        coupled = Coupled(seed=i, start=40)
+        if draft_kind == "sampled":
+            drafts = [seeded_pick(q_rows[j], i, 40 + j) for j in range(2)]
+        else:
+            drafts = [2, 4]
+        verdict = verify_chain(
+            drafts, q_rows if draft_kind == "sampled" else None, p_rows, None, coupled
+        )
+        assert verdict.token_ids[: verdict.num_accepted] == drafts[: verdict.num_accepted]
+        first[verdict.token_ids[0]] += 1
+        if verdict.num_accepted >= 1:
+            second[verdict.token_ids[1]] += 1
+            kept_first += 1
+    assert not chi2_rejects(first, {t: float(p_rows[0, t]) for t in range(6)}, n)[0]
+    assert not chi2_rejects(second, {t: float(p_rows[1, t]) for t in range(6)}, kept_first)[0]
+    wrong = {t: float(q_rows[0, t]) for t in range(6)} if draft_kind == "sampled" else {2: 1.0}
+    assert chi2_rejects(first, wrong, n)[0]
+    if draft_kind == "point-mass":  # kept exactly when p's draw is the draft: p(2)
+        assert abs(kept_first / n - float(p_rows[0, 2])) < 4 * (0.25 / n) ** 0.5
+    else:  # coupled through the noise: above independent draws' agreement sum p q
+        independent = float((p_rows[0] * q_rows[0]).sum())
+        assert kept_first / n > independent + 0.05
+
+
+def test_seeded_tree_rule_follows_p() -> None:
+    """verify_tree's coupled rule: the emitted first token follows p[0] and the walk
+    follows the child holding the target's draw."""
+    from speculant.rejection import verify_tree
+    from speculant.sampling import Coupled
+
+    g = torch.Generator().manual_seed(1)
+    p_rows = torch.softmax(torch.randn(4, 5, generator=g) * 1.5, -1)  # root + 3 nodes
+    tokens, parents = [1, 3, 0], [-1, -1, 0]  # two children of the root, one grandchild
+    n = 20000
+    first: Counter = Counter()  # type: ignore[type-arg]
+    for i in range(n):
+        v = verify_tree(tokens, parents, p_rows, None, coupled=Coupled(i, 7))
+        first[v.token_ids[0]] += 1
+        if v.path:
+            assert v.path[0] in (0, 1) and v.token_ids[0] == tokens[v.path[0]]
+        if v.path[:1] == [0]:
+            assert v.path == [0, 2] or v.token_ids[1] != 0
+    assert not chi2_rejects(first, {t: float(p_rows[0, t]) for t in range(5)}, n)[0]
+
+
+def test_position_noise_is_counter_based() -> None:
+    """Noise depends on (seed, position) only, a shorter vector is a prefix of a longer
+    one, a draft vocabulary given as ids sees the target's noise at those ids, and every
+    variate is positive (p / E is never 0 / 0)."""
+    from speculant.sampling import _noise, position_noise, seeded_pick
+
+    long = position_noise(3, 10, 1000).clone()
+    _noise.clear()
+    assert torch.equal(position_noise(3, 10, 100), long[:100])
+    assert torch.equal(position_noise(3, 10, 1000), long)
+    assert not torch.equal(position_noise(3, 11, 1000), long)
+    assert not torch.equal(position_noise(4, 10, 1000), long)
+    assert bool((long > 0).all())
+    probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)), -1)
+    ids = torch.tensor([5, 17, 300, 999])
+    sub = probs[ids] / probs[ids].sum()
+    assert seeded_pick(sub, 3, 10, ids) == int(ids[int((sub / long[ids]).argmax())])
+    assert seeded_pick(probs, 3, 10) == int((probs / long).argmax())
+
+
+def test_sample_draws_only_tokens_with_mass() -> None:
+    """The inverse-cdf draw never lands on a token of zero probability, first or last."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4000)
+    ids = sample(probs, torch.Generator().manual_seed(0))
+    assert set(ids.tolist()) == {1, 3}
+    assert abs(float((ids == 1).float().mean()) - 0.5) < 0.04

@@ -93,6 +93,30 @@ def test_batched_seeded_sampling_equals_solo(tiny_root, method: str) -> None:  #
         assert a.stats.num_accepted == b.stats.num_accepted
 
 
+@pytest.mark.parametrize("method", [m for m in available_methods() if m != "none"])
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_seeded_text_is_the_same_for_every_method_and_k(
+    tiny_root, method: str, k: int | str
+) -> None:  # type: ignore[no-untyped-def]
+    """A seeded sampled request is a function of (model, prompt, parameters, seed): the
+    same tokens as plain decoding, whatever proposes the drafts, for any k (auto too),
+    alone or in a batch; and drafts were judged (some kept, so the coupling is live)."""
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=n, seed=10 + i)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    plain_engine = _engine(tiny_root, "none", 1)
+    plain = [plain_engine.generate(p, s).token_ids for p, s in zip(PROMPTS, params, strict=True)]
+    engine = _engine(tiny_root, method, k)
+    solo = [engine.generate(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+    batched = _run_batched(engine, params)
+    assert [r.token_ids for r in solo] == plain, method
+    assert [r.token_ids for r in batched] == plain, method
+    assert sum(r.stats.num_drafted for r in solo) > 0
+    if method in ("draft", "layer-skip"):  # drafts coupled to the target's noise
+        assert sum(r.stats.num_accepted for r in solo) > 0
+
+
 def test_propose_many_equals_separate_proposals(tiny_root) -> None:  # type: ignore[no-untyped-def]
     engine = _engine(tiny_root, "draft", 4)
     proto = engine.proposer

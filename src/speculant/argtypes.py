@@ -70,3 +70,16 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
         help="draft weights: auto (default) = gguf for a .gguf model, int8 for a folder; a "
         "lower-precision draft stays lossless, since verification filters its errors",
     )
+
+
+def seed_value(text: str) -> int | None:
+    """A sampling seed: an integer >= 0, or 'none' for unseeded sampling."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 0 or 'none'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 0 or 'none'")
+    return value

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
-from speculant.argtypes import add_dtype_args, k_value
+from speculant.argtypes import add_dtype_args, k_value, nonneg_int
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -140,7 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="nucleus sampling: smallest set reaching this mass; 1 = off",
     )
-    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    gen.add_argument(
+        "--seed",
+        type=nonneg_int,
+        default=None,
+        help="seed for reproducible sampling: the same seed gives the same text with any "
+        "--method and any -k (drafts are then judged by a coupled rule that accepts a "
+        "sampled draft somewhat less often; see docs/how-it-works.md)",
+    )
     gen.add_argument(
         "--stop",
         action="append",

@@ -9,6 +9,11 @@ as if drawn from p token by token.
 A proposer with no distribution (prompt lookup, suffix matching: deterministic drafts)
 is a point mass q = one_hot(x). The rule still applies unchanged: accept with p(x),
 and on rejection draw from p with x removed and renormalised. Lossless either way.
+
+A seeded request uses the coupled rule instead (`Coupled`, see speculant.sampling): the
+target's token at each position is its seeded draw there, whatever was drafted, and a
+draft is kept exactly when it equals that token. Every emitted token is then an exact
+draw from p, and the text does not depend on the proposer or on k.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from speculant.sampling import sample
+from speculant.sampling import Coupled, sample
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ def verify_chain(
     q_draft: Tensor | None,
     p_target: Tensor,
     generator: torch.Generator | None,
+    coupled: Coupled | None = None,
 ) -> Verdict:
     """Apply the lossless rule to one chain.
 
@@ -49,10 +55,19 @@ def verify_chain(
         vocab_q may be smaller than the target's vocab (missing ids have q = 0).
     p_target: [k + 1, vocab] processed target distributions; row i scores draft i,
         row k gives the bonus distribution.
+    coupled: a seeded request's coupled rule (q is then not needed: a draft is kept
+        exactly when it is the target's seeded draw at its position).
     """
     k = len(draft_ids)
     if p_target.shape[0] != k + 1:
         raise ValueError(f"p_target has {p_target.shape[0]} rows, expected k + 1 = {k + 1}")
+    if coupled is not None:
+        kept: list[int] = []
+        for i in range(k + 1):
+            token = coupled.pick(p_target[i], i)
+            if i == k or token != int(draft_ids[i]):
+                return Verdict(i, kept + [token])
+            kept.append(token)
     if k == 0:
         return Verdict(0, [int(sample(p_target[:1], generator)[0])])
     vocab = p_target.shape[-1]
@@ -132,6 +147,7 @@ def verify_tree(
     p_target: Tensor,
     generator: torch.Generator | None,
     q_nodes: Tensor | None = None,
+    coupled: Coupled | None = None,
 ) -> TreeVerdict:
     """Apply the lossless rule to a tree of drafts (recursive rejection over siblings,
     as in SpecInfer, Miao et al. 2024).
@@ -151,6 +167,8 @@ def verify_tree(
     none is, draw the correction from the remaining p. The token emitted at every node
     is therefore distributed exactly as p, so the output is the target's distribution.
     Greedy (one-hot p) reduces to following the child equal to the target's argmax.
+    With `coupled` (a seeded request), the target's token at each node is its seeded
+    draw at the node's depth, and the walk follows the child holding that token.
     """
     n = len(tokens)
     if len(parents) != n:
@@ -162,10 +180,18 @@ def verify_tree(
         if not -1 <= parent < i:
             raise ValueError(f"node {i} has parent {parent}: parents must come first")
         children[parent + 1].append(i)
-    vocab = p_target.shape[-1]
-    q_rows = _pad_vocab(q_nodes.float(), vocab) if q_nodes is not None else None
     path: list[int] = []
     row = 0
+    if coupled is not None:
+        while True:
+            token = coupled.pick(p_target[row], len(path))
+            match = [c for c in children[row] if int(tokens[c]) == token]
+            if not match:
+                return TreeVerdict(path, [int(tokens[i]) for i in path] + [token])
+            path.append(match[0])
+            row = match[0] + 1
+    vocab = p_target.shape[-1]
+    q_rows = _pad_vocab(q_nodes.float(), vocab) if q_nodes is not None else None
     while True:
         p = p_target[row].float().clone()
         accepted = None

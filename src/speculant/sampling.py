@@ -1,15 +1,26 @@
-"""Sampling parameters and the pure logits -> probabilities transform.
+"""Sampling parameters, the pure logits -> probabilities transform, and the draws.
 
 The same `process_logits` is applied to the target's logits (p) and to the draft's
 logits (q): that is what keeps speculative sampling lossless under temperature,
 top-k and top-p. Drafts are then sampled from exactly the q returned here.
+
+Two ways to draw. An unseeded request draws from its own random generator (`sample`),
+and speculation uses the standard accept / resample rule. A seeded request draws the
+token at output position t as argmax_i p_i / E_i, where E is a vector of exponential
+variates that depends on (seed, t) alone (`position_noise`, counter-based): an exact
+draw from p (the exponential race, equivalent to the Gumbel-max trick), so the text is
+a function of (model, prompt, parameters, seed), whatever proposes the drafts and
+whatever k is. A draft coupled to the same noise is accepted exactly when it is the
+target's own choice; see docs/sampling.md for what this costs in acceptance.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,7 +38,9 @@ class SamplingParams:
     top_p: keep the smallest set of most probable tokens whose cumulative probability
         reaches top_p (HF / vLLM convention); 1.0 disables.
     max_tokens: at most this many new tokens.
-    seed: seeds the request's random generator (None: nondeterministic).
+    seed: makes sampling reproducible: the token at each output position is drawn with
+        noise that depends on (seed, position) alone, so the same seed gives the same
+        text with any proposer and any k (None: nondeterministic).
     ignore_eos: keep generating past end-of-sequence tokens.
     stop: strings that end generation; the text is cut before the first one.
     """
@@ -95,15 +108,100 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Draw one token per row. probs: [n, vocab] -> ids: [n] (int64).
+    """Draw one token per row. probs: [n, vocab] (rows sum to 1, up to rounding) ->
+    ids: [n] (int64).
 
     When every row holds all its mass on one token (every greedy row does), that token
-    is the draw: no randomness is needed, and multinomial over a 150k vocabulary costs
-    ~3 ms on a CPU core, a tenth of a 1.5B decode step."""
+    is the draw: no randomness is needed. Otherwise one uniform per row is located in
+    the row's cumulative sum (float64): `torch.multinomial` over a 150k vocabulary costs
+    ~3.5 ms on a CPU core, a tenth of a 1.5B decode step; this costs a few tenths."""
     top, ids = probs.max(dim=-1)
     if bool((top == 1.0).all()) and bool(((probs > 0).sum(dim=-1) == 1).all()):
         return ids
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = probs.double().cumsum(dim=-1)  # [n, vocab]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    # u * total < total, so picked < vocab; a token of zero mass shares its cdf value with
+    # the token before it and is never the first index whose cdf exceeds the target.
+    return picked.clamp_max(probs.shape[-1] - 1)
+
+
+_NOISE_KEPT = 32  # positions whose noise is kept: a step's drafts and verify reuse them
+_noise: OrderedDict[tuple[int, int], Tensor] = OrderedDict()
+
+
+def position_noise(seed: int, position: int, size: int) -> Tensor:
+    """The first `size` exponential variates (float32, > 0) of the stream for
+    (seed, position): counter-based, so any position is drawn without the ones before
+    it, and a shorter vector is a prefix of a longer one (a draft's smaller vocabulary
+    sees the same noise for the same ids)."""
+    key = (seed, position)
+    kept = _noise.get(key)
+    if kept is None or kept.shape[0] < size:
+        gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, position])))
+        values = gen.standard_exponential(size, dtype=np.float32)
+        kept = torch.from_numpy(values).clamp_min_(torch.finfo(torch.float32).tiny)
+        _noise[key] = kept
+        while len(_noise) > _NOISE_KEPT:
+            _noise.popitem(last=False)
+    _noise.move_to_end(key)
+    return kept[:size]
+
+
+def seeded_pick(probs: Tensor, seed: int, position: int, ids: Tensor | None = None) -> int:
+    """The seeded draw at `position`: argmax_i probs_i / E_i over the position's noise E.
+
+    probs: [vocab] (or [1, vocab]) over token ids 0..vocab-1, or over the ids in `ids`
+    (a draft vocabulary that is a subset of the target's); returns a token id. For any
+    distribution this is an exact draw from it, and two distributions at one position
+    (a draft's q and the target's p) pick the same token as often as the coupling allows.
+    """
+    row = probs.reshape(-1).float()
+    if ids is None:
+        noise = position_noise(seed, position, row.shape[0])
+        return int((row / noise).argmax())
+    noise = position_noise(seed, position, int(ids.max()) + 1)[ids]
+    return int(ids[int((row / noise).argmax())])
+
+
+def draw(
+    probs: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    position: int,
+    ids: Tensor | None = None,
+) -> int:
+    """One token from probs ([1, vocab] or [vocab]) as `params` asks: the argmax when
+    greedy, the seeded draw at `position` (the token's index in the whole sequence) when
+    a seed is set, else a draw from `generator`. `ids` maps probs' columns to token ids."""
+    row = probs.reshape(-1)
+    if params.greedy:
+        idx = int(row.argmax())
+    elif params.seed is not None:
+        return seeded_pick(row, params.seed, position, ids)
+    else:
+        idx = int(sample(row[None], generator)[0])
+    return idx if ids is None else int(ids[idx])
+
+
+@dataclass(frozen=True)
+class Coupled:
+    """A seeded request's verification: the target's token at sequence position
+    `start + i` is its seeded draw there, and a draft is kept exactly when it equals it."""
+
+    seed: int
+    start: int
+
+    def pick(self, p: Tensor, offset: int) -> int:
+        return seeded_pick(p, self.seed, self.start + offset)
+
+
+def coupling(params: SamplingParams, position: int) -> Coupled | None:
+    """The coupled rule for a seeded sampled request whose next token sits at
+    `position`; None for greedy or unseeded requests (the standard rule)."""
+    if params.greedy or params.seed is None:
+        return None
+    return Coupled(params.seed, position)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -36,7 +36,13 @@ from speculant.models.decoder import Segment
 from speculant.models.model import Model
 from speculant.proposers import Draft, Proposer
 from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
-from speculant.sampling import SamplingParams, make_generator, process_logits
+from speculant.sampling import (
+    Coupled,
+    SamplingParams,
+    coupling,
+    make_generator,
+    process_logits,
+)
 
 Policy = FixedK | AdaptiveK
 
@@ -185,6 +191,10 @@ class SequenceState:
         self.draft = Draft([])
         self.k = 0
 
+    def coupled(self) -> Coupled | None:
+        """The coupled rule when this is a seeded sampled request (see sampling.py)."""
+        return coupling(self.params, len(self.tokens))
+
     @property
     def budget(self) -> int:
         """Tokens this sequence may still commit."""
@@ -288,13 +298,18 @@ class Scheduler:
             q = seq.draft.q_probs
             if seq.draft.parents is None:
                 verdict: Verdict | TreeVerdict = verify_chain(
-                    seq.draft.token_ids, q, p_target, seq.generator
+                    seq.draft.token_ids, q, p_target, seq.generator, seq.coupled()
                 )
                 rows = list(range(verdict.num_accepted + 1))
                 seq.cache.truncate(len(seq.tokens) + verdict.num_accepted)  # the one rollback
             else:
                 verdict = verify_tree(
-                    seq.draft.token_ids, seq.draft.parents, p_target, seq.generator, q
+                    seq.draft.token_ids,
+                    seq.draft.parents,
+                    p_target,
+                    seq.generator,
+                    q,
+                    seq.coupled(),
                 )
                 rows = [0, *[j + 1 for j in verdict.path]]
                 seq.cache.keep_path(seg.start, seg.tree_kv, rows)  # the accepted path only

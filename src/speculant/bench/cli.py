@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speculant.argtypes import add_dtype_args, positive_int
+from speculant.argtypes import add_dtype_args, positive_int, seed_value
 from speculant.bench.measure import DEFAULT_WATTS_PER_CORE
 from speculant.bench.peers import PEER_GROUPS, PEER_NAMES
 from speculant.bench.workloads import WORKLOAD_NAMES
@@ -121,7 +121,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=seed_value,
+        default=0,
+        help="sampling seed: a seeded request's text is the same for every method, so "
+        "sampled runs are checked against the baseline too; 'none' measures unseeded "
+        "sampling (the standard accept / resample rule, its higher acceptance)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     add_dtype_args(p)
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
@@ -232,10 +239,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out.print("wrote " + ", ".join(str(p) for p in paths))
     if result.lossless_failures:
         out.print(
-            "[bold red]lossless check FAILED[/] (greedy output differs from plain decoding): "
-            + "; ".join(result.lossless_failures)
+            "[bold red]lossless check FAILED[/] (greedy or seeded output differs from plain "
+            "decoding): " + "; ".join(result.lossless_failures)
         )
         return 1
-    if config.greedy:
+    if config.reproducible:
         out.print("[green]lossless check passed[/]: every method matched plain decoding")
     return 0

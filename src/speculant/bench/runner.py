@@ -155,6 +155,13 @@ class BenchConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def reproducible(self) -> bool:
+        """Greedy or seeded: every method must give the baseline's tokens exactly (a
+        seeded request's text does not depend on the method); unseeded sampling only
+        follows the same distribution."""
+        return self.greedy or self.seed is not None
+
 
 class Progress(Protocol):
     def start(self, total: int) -> None: ...
@@ -261,7 +268,7 @@ class Method:
     settings: dict[str, Any]
     weights_bytes: int
     setup_s: float
-    lossless: bool  # expected to reproduce the baseline token for token (greedy)
+    lossless: bool  # expected to reproduce the baseline token for token (greedy or seeded)
 
 
 @dataclass
@@ -352,7 +359,7 @@ def run_bench(
             engine.generate(warm_ids, SamplingParams(max_tokens=4, seed=0))
         take()
         engines[spec.label] = (engine, take)
-        methods[spec.label] = _our_method(spec, engine, target, draft, target_bytes, setup)
+        methods[spec.label] = _our_method(spec, engine, target, draft, target_bytes, setup, cfg)
 
     samples: list[Sample] = []
     prompt_ids: dict[tuple[str, str], list[list[int]]] = {}
@@ -537,6 +544,7 @@ def _our_method(
     draft: Model | None,
     target_bytes: int,
     setup: float,
+    cfg: BenchConfig,
 ) -> Method:
     weights = target_bytes
     settings: dict[str, Any] = {"k": spec.k, **spec.options}
@@ -574,7 +582,7 @@ def _our_method(
         settings=settings,
         weights_bytes=weights,
         setup_s=setup,
-        lossless=True,
+        lossless=cfg.reproducible,
     )
 
 
@@ -665,7 +673,7 @@ def _row(
     working = max(s.working_bytes for s in mine)
     ttfts = [t for s in mine for t in s.ttft_s]
     # The lossless check only means something for greedy runs: sampled runs differ by design.
-    identical = sum(1 for s in mine if s.identical) / len(mine) if cfg.greedy else None
+    identical = sum(1 for s in mine if s.identical) / len(mine) if cfg.reproducible else None
     return {
         "workload": workload,
         "method": method.label,

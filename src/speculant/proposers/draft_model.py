@@ -16,7 +16,7 @@ import torch
 
 from speculant.cache import KVCache
 from speculant.proposers.base import Draft, register
-from speculant.sampling import SamplingParams, process_logits, sample
+from speculant.sampling import SamplingParams, draw, process_logits
 
 if TYPE_CHECKING:
     from speculant.models.model import Model
@@ -135,8 +135,7 @@ class DraftModelProposer:
             feed = []
             for j in active:
                 q = process_logits(last[j][None], params[j])  # [1, vocab_q]
-                greedy = params[j].greedy
-                token = int(q[0].argmax()) if greedy else int(sample(q, generators[j])[0])
+                token = draw(q, params[j], generators[j], len(contexts[j]) + i)
                 ids[j].append(token)
                 rows[j].append(q[0])
                 if i + 1 < ks[j]:

@@ -40,7 +40,7 @@ from torch import Tensor
 from speculant.eagle.head import EagleHead, HeadCache, HeadLoadError, HeadRuntime, load_head
 from speculant.models.decoder import GGUFWeight, Int4Weight, Int8Weight, Linear
 from speculant.proposers.base import Draft, register
-from speculant.sampling import SamplingParams, process_logits, sample
+from speculant.sampling import SamplingParams, draw, process_logits
 
 if TYPE_CHECKING:
     from speculant.models.model import Model
@@ -232,8 +232,7 @@ class EagleProposer:
         qs: list[Tensor] = []
         for j in range(k):
             q = process_logits(rt.logits(feature[None]), params)  # [1, draft_vocab]
-            idx = int(q[0].argmax()) if params.greedy else int(sample(q, gen)[0])
-            token = int(rt.draft_vocab[idx])
+            token = draw(q, params, gen, n_ctx + j, rt.draft_vocab)
             ids.append(token)
             if not params.greedy:  # greedy q is one-hot: a point mass, no rows needed
                 qs.append(self._full_q(q[0]))
