@@ -44,7 +44,7 @@ for rep in range(3):
         "ratio",
         round(ratios[-1], 3),
         "history head",
-        e.policy.history[:12],
+        list(e.policy.history)[:12],
         "drafted",
         b.stats.num_drafted,
         flush=True,

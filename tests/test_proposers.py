@@ -83,13 +83,15 @@ def test_every_method_is_greedy_equivalent(tiny_root, method: str, k, dtype: str
         kwargs["draft"] = tiny_model(tiny_root, "llama", seed=2, dtype=dtype, num_hidden_layers=1)
     engine = Engine(target, method=method, num_speculative_tokens=k, **kwargs)
     reference = plain_greedy(target, REPEATING, 40)
+    drafted = 0
     for _ in range(2):  # a second request exercises cross-request state
         res = engine.generate(REPEATING, SamplingParams(max_tokens=40, ignore_eos=True))
         assert res.token_ids == reference
         assert sum(res.stats.accepted_per_position) == res.stats.num_accepted
         assert res.stats.mean_accepted_length == pytest.approx(40 / res.stats.target_forwards)
+        drafted += res.stats.num_drafted
     if method in ("draft", "layer-skip"):
-        assert res.stats.num_drafted > 0
+        assert drafted > 0  # auto may settle on plain steps for a bad draft by request 2
 
 
 def test_layer_skip_calibration_and_explicit_list(tiny_root) -> None:  # type: ignore[no-untyped-def]
@@ -125,7 +127,7 @@ def _feed(policy: AdaptiveK, steps: int, accept_all: bool, verify_cost, draft_co
 def test_adaptive_k_falls_to_plain_when_drafts_fail() -> None:
     policy = AdaptiveK(k_max=8, probe_every=16)
     _feed(policy, 200, accept_all=False, verify_cost=lambda w: 0.2 + 0.01 * w, draft_cost=0.05)
-    tail = policy.history[-160:]
+    tail = list(policy.history)[-160:]
     assert tail.count(0) >= 145  # plain steps, with a one-token probe every 16
     assert max(tail) == 1
 
@@ -133,7 +135,7 @@ def test_adaptive_k_falls_to_plain_when_drafts_fail() -> None:
 def test_adaptive_k_grows_when_drafts_are_good_and_verify_is_flat() -> None:
     policy = AdaptiveK(k_max=8)
     _feed(policy, 100, accept_all=True, verify_cost=lambda w: 0.2, draft_cost=0.0)
-    assert policy.history[-20:] == [8] * 20
+    assert list(policy.history)[-20:] == [8] * 20
 
 
 def test_adaptive_k_balances_costly_drafts() -> None:
@@ -147,7 +149,7 @@ def test_adaptive_k_balances_costly_drafts() -> None:
             accepted += 1
         policy.observe(k, accepted, 0.07 * k, 0.2)
     best = max(range(9), key=lambda k: sum(0.7**j for j in range(k + 1)) / (0.2 + 0.07 * k))
-    assert abs(sorted(policy.history[-100:])[50] - best) <= 1
+    assert abs(sorted(list(policy.history)[-100:])[50] - best) <= 1
 
 
 def test_adaptive_k_estimates_conditional_acceptance_without_bias() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from speculant.adaptive import FixedK
+from speculant.adaptive import FixedK, PassCosts
 from speculant.models.model import Model
 from speculant.proposers import Proposer, make_proposer, spawn_proposer
 from speculant.sampling import SamplingParams
@@ -84,7 +84,12 @@ class Engine:
             proposer = make_proposer(method, target=target, draft=draft, **(proposer_options or {}))
         self.proposer = proposer
         self._k = num_speculative_tokens
-        self.policy = make_policy(num_speculative_tokens, plain=proposer.name == "none")
+        # Pass costs measured for -k auto: every lane runs this target and this kind of
+        # proposer, so all of them share one table.
+        self.costs = PassCosts()
+        self.policy = make_policy(
+            num_speculative_tokens, plain=proposer.name == "none", costs=self.costs
+        )
         limit = target.config.max_seq_len
         if draft is not None:
             limit = min(limit, draft.config.max_seq_len)
@@ -123,7 +128,7 @@ class Engine:
         read-only (models, calibration) with this engine's own."""
         return Lane(
             spawn_proposer(self.proposer),
-            make_policy(self._k, plain=self.proposer.name == "none"),
+            make_policy(self._k, plain=self.proposer.name == "none", costs=self.costs),
         )
 
     def scheduler(self, first_lane: bool = True) -> Scheduler:

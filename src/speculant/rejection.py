@@ -10,10 +10,12 @@ A proposer with no distribution (prompt lookup, suffix matching: deterministic d
 is a point mass q = one_hot(x). The rule still applies unchanged: accept with p(x),
 and on rejection draw from p with x removed and renormalised. Lossless either way.
 
-A seeded request uses the coupled rule instead (`Coupled`, see speculant.sampling): the
-target's token at each position is its seeded draw there, whatever was drafted, and a
-draft is kept exactly when it equals that token. Every emitted token is then an exact
-draw from p, and the text does not depend on the proposer or on k.
+Greedy and seeded requests use the coupled rule instead (`Coupled`, see
+speculant.sampling): the target's token at each position is its argmax (greedy) or its
+seeded draw there, whatever was drafted, and a draft is kept exactly when it equals that
+token. Every emitted token is then an exact draw from p, and the text does not depend on
+the proposer or on k. (For greedy this is what the rule above reduces to with one-hot
+rows; the coupled form needs only each row's argmax.)
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def verify_chain(
         vocab_q may be smaller than the target's vocab (missing ids have q = 0).
     p_target: [k + 1, vocab] processed target distributions; row i scores draft i,
         row k gives the bonus distribution.
-    coupled: a seeded request's coupled rule (q is then not needed: a draft is kept
-        exactly when it is the target's seeded draw at its position).
+    coupled: a greedy or seeded request's coupled rule (q is then not needed: a draft
+        is kept exactly when it is the target's own choice at its position).
     """
     k = len(draft_ids)
     if p_target.shape[0] != k + 1:
@@ -167,8 +169,8 @@ def verify_tree(
     none is, draw the correction from the remaining p. The token emitted at every node
     is therefore distributed exactly as p, so the output is the target's distribution.
     Greedy (one-hot p) reduces to following the child equal to the target's argmax.
-    With `coupled` (a seeded request), the target's token at each node is its seeded
-    draw at the node's depth, and the walk follows the child holding that token.
+    With `coupled` (a greedy or seeded request), the target's token at each node is its
+    argmax or seeded draw at the node's depth, and the walk follows the child holding it.
     """
     n = len(tokens)
     if len(parents) != n:

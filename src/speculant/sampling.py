@@ -186,20 +186,28 @@ def draw(
 
 @dataclass(frozen=True)
 class Coupled:
-    """A seeded request's verification: the target's token at sequence position
-    `start + i` is its seeded draw there, and a draft is kept exactly when it equals it."""
+    """Verification when the target's token at each position is a function of its row
+    and the position alone: the argmax when greedy (`seed` None), else the seeded draw
+    at sequence position `start + offset`. A draft is kept exactly when it equals that
+    token, so the text is the target's own, whatever was drafted."""
 
-    seed: int
+    seed: int | None
     start: int
 
-    def pick(self, p: Tensor, offset: int) -> int:
-        return seeded_pick(p, self.seed, self.start + offset)
+    def pick(self, row: Tensor, offset: int) -> int:
+        """row: the target's processed distribution ([vocab]); when greedy its raw
+        logits serve as well (the same argmax, first index on ties)."""
+        if self.seed is None:
+            return int(row.argmax())
+        return seeded_pick(row, self.seed, self.start + offset)
 
 
 def coupling(params: SamplingParams, position: int) -> Coupled | None:
-    """The coupled rule for a seeded sampled request whose next token sits at
-    `position`; None for greedy or unseeded requests (the standard rule)."""
-    if params.greedy or params.seed is None:
+    """The coupled rule for a greedy or seeded request whose next token sits at
+    `position`; None for unseeded sampling (the standard accept / resample rule)."""
+    if params.greedy:
+        return Coupled(None, position)
+    if params.seed is None:
         return None
     return Coupled(params.seed, position)
 

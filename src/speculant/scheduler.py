@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from speculant.adaptive import AdaptiveK, FixedK
+from speculant.adaptive import AdaptiveK, FixedK, Others, PassCosts, StepCost, choose_batch
 from speculant.cache import KVCache
 from speculant.models.decoder import Segment
 from speculant.models.model import Model
@@ -132,12 +132,13 @@ class Lane:
     policy: Policy
 
 
-def make_policy(k: int | str, plain: bool) -> Policy:
-    """num_speculative_tokens: an integer 0..64, or "auto" (chosen per step)."""
+def make_policy(k: int | str, plain: bool, costs: PassCosts | None = None) -> Policy:
+    """num_speculative_tokens: an integer 0..64, or "auto" (chosen per step, from the
+    pass costs in `costs`: give the lanes of one engine the same table)."""
     if plain:
         return FixedK(0)
     if k == "auto":
-        return AdaptiveK()
+        return AdaptiveK(costs=costs if costs is not None else PassCosts())
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
         raise ValueError(f"num_speculative_tokens={k!r} is out of range: use 0..64 or 'auto'")
     return FixedK(k)
@@ -192,7 +193,7 @@ class SequenceState:
         self.k = 0
 
     def coupled(self) -> Coupled | None:
-        """The coupled rule when this is a seeded sampled request (see sampling.py)."""
+        """The coupled rule for a greedy or seeded request (see sampling.py)."""
         return coupling(self.params, len(self.tokens))
 
     @property
@@ -276,9 +277,9 @@ class Scheduler:
         seqs = list(self.running)
         if not seqs:
             return []
+        behind = [seq.k == 0 for seq in seqs]  # drafted nothing last step (or is new)
+        _choose_all(seqs)
         t_draft = time.perf_counter()
-        for seq in seqs:
-            seq.k = seq.lane.policy.choose(seq.budget - 1)
         _propose_all(seqs)
         t_verify = time.perf_counter()
         segments = []
@@ -294,7 +295,8 @@ class Scheduler:
         events = []
         verdicts: list[Verdict | TreeVerdict] = []
         for i, (seq, logits, seg) in enumerate(zip(seqs, all_logits, segments, strict=True)):
-            p_target = process_logits(logits, seq.params)  # [k_s + 1, vocab]
+            # Greedy verification needs only each row's argmax: the raw logits serve.
+            p_target = logits if seq.params.greedy else process_logits(logits, seq.params)
             q = seq.draft.q_probs
             if seq.draft.parents is None:
                 verdict: Verdict | TreeVerdict = verify_chain(
@@ -317,11 +319,19 @@ class Scheduler:
                 seq.lane.proposer.observe(hidden[i][rows])  # type: ignore[attr-defined]
             verdicts.append(verdict)
         t_done = time.perf_counter()
+        draft_s, verify_s = t_verify - t_draft, t_done - t_verify
+        # A proposer that drafts after drafting nothing catches up on the tokens it has
+        # not seen (the prompt, plain steps' tokens): a one-off, not a per-step cost.
+        caught_up = not any(b and seq.k > 0 for b, seq in zip(behind, seqs, strict=True))
+        cost = StepCost(
+            rows=sum(seq.draft.depth + 1 for seq in seqs),
+            verify_s=verify_s,
+            draft_depth=_draft_depth(seqs),
+            draft_s=draft_s if caught_up else None,
+        )
         for seq, verdict in zip(seqs, verdicts, strict=True):
             drafted = seq.draft.depth  # a tree counts its longest path
-            seq.lane.policy.observe(
-                drafted, verdict.num_accepted, t_verify - t_draft, t_done - t_verify
-            )
+            seq.lane.policy.observe(drafted, verdict.num_accepted, draft_s, verify_s, cost)
             seq.stats.record(drafted, verdict.num_accepted)
             chunk = seq.commit(verdict.token_ids)
             result = None
@@ -333,6 +343,43 @@ class Scheduler:
                 result = seq.result()
             events.append(StepEvent(seq, chunk, drafted, verdict.num_accepted, result))
         return events
+
+
+def _choose_all(seqs: list[SequenceState]) -> None:
+    """Pick every sequence's k for this step, weighing the whole batch (see
+    adaptive.choose_batch): sequences whose proposers are of one kind are chosen
+    together, the others count by their last k (their rows and expected tokens)."""
+    groups: dict[type, list[SequenceState]] = {}
+    for seq in seqs:
+        groups.setdefault(type(seq.lane.proposer), []).append(seq)
+    for kind, members in groups.items():
+        rest = [s for s in seqs if type(s.lane.proposer) is not kind]
+        base = Others(
+            sum(s.k + 1 for s in rest), sum(s.lane.policy.expected_tokens(s.k) for s in rest)
+        )
+        ks = choose_batch(
+            [s.lane.policy for s in members],
+            [s.budget - 1 for s in members],
+            [s.k for s in members],
+            _drafts_together(kind),
+            base,
+        )
+        for seq, k in zip(members, ks, strict=True):
+            seq.k = k
+
+
+def _draft_depth(seqs: list[SequenceState]) -> int:
+    """Draft calls of a step: per proposer kind, the deepest draft when it drafts all its
+    sequences at once (one batched call per position), else the sum of their depths."""
+    groups: dict[type, list[int]] = {}
+    for seq in seqs:
+        if seq.draft.depth > 0:
+            groups.setdefault(type(seq.lane.proposer), []).append(seq.draft.depth)
+    return sum(max(ks) if _drafts_together(kind) else sum(ks) for kind, ks in groups.items())
+
+
+def _drafts_together(kind: type) -> bool:
+    return getattr(kind, "propose_many", None) is not None
 
 
 def _propose_all(seqs: list[SequenceState]) -> None:

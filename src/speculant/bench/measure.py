@@ -188,9 +188,9 @@ def record_steps(engine: Any) -> Callable[[], StepRecord]:
     if policy is None or inner is None:
         return lambda: StepRecord()
 
-    def observe(drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(drafted: int, accepted: int, draft_s: float, verify_s: float, *step: Any) -> None:
         state["record"].add(drafted, accepted, draft_s, verify_s)
-        inner(drafted, accepted, draft_s, verify_s)
+        inner(drafted, accepted, draft_s, verify_s, *step)
 
     setattr(policy, "observe", observe)  # noqa: B010 (an instance attribute shadows the method)
 
