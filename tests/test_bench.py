@@ -317,3 +317,22 @@ def test_peer_limit_runs_peers_on_a_subset(pair: tuple[Model, Model]) -> None:
     assert rows["ngram:2"]["prompts"] == 2
     assert rows["transformers"]["prompts"] == 1 and rows["transformers"]["speedup"] > 0
     assert res.meta["peer_limit"] == 1
+
+
+def test_bench_seed_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """--seed takes an integer >= 0 or 'none' (unseeded sampling); anything else is
+    refused with the value and what is allowed."""
+    import argparse
+
+    from speculant.bench.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    assert parser.parse_args(["bench", "--seed", "none"]).seed is None
+    assert parser.parse_args(["bench", "--seed", "7"]).seed == 7
+    assert parser.parse_args(["bench"]).seed == 0
+    for bad, said in [("-1", "-1 is out of range"), ("x", "'x': use an integer")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["bench", "--seed", bad])
+        err = capsys.readouterr().err
+        assert said in err and ">= 0 or 'none'" in err

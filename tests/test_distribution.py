@@ -120,9 +120,14 @@ def test_engine_samples_follow_target(
 
 
 @pytest.mark.parametrize("point_mass", [False, True])
-def test_rule_alone_preserves_p(point_mass: bool) -> None:
-    """verify_chain on fixed rows: the first emitted token follows p[0], the second
-    (when the first draft was kept) follows p[1]; for stochastic and point-mass drafts."""
+@pytest.mark.parametrize("rule", ["standard", "coupled"])
+def test_rule_alone_preserves_p(point_mass: bool, rule: str) -> None:
+    """verify_chain on fixed rows, one seed per trial: the first emitted token follows
+    p[0], the second (when the first draft was kept) follows p[1], for stochastic and
+    point-mass drafts, under the standard rule (drafts drawn from q with the trial's
+    generator) and the coupled one (drafts drawn from q with the position noise)."""
+    from speculant.sampling import Coupled, seeded_pick
+
     g = torch.Generator().manual_seed(0)
     p_rows = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)  # [k+1, vocab]
     q_rows = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)  # [k, vocab]
@@ -132,12 +137,15 @@ def test_rule_alone_preserves_p(point_mass: bool) -> None:
     n_second = 0
     for i in range(n):
         gen = torch.Generator().manual_seed(i)
+        coupled = Coupled(seed=i, start=40) if rule == "coupled" else None
         if point_mass:
             drafts = [2, 4]
-            verdict = verify_chain(drafts, None, p_rows, gen)
+        elif coupled is not None:
+            drafts = [seeded_pick(q_rows[j], i, 40 + j) for j in range(2)]
         else:
             drafts = [int(torch.multinomial(q_rows[j], 1, generator=gen)) for j in range(2)]
-            verdict = verify_chain(drafts, q_rows, p_rows, gen)
+        verdict = verify_chain(drafts, None if point_mass else q_rows, p_rows, gen, coupled)
+        assert verdict.token_ids[: verdict.num_accepted] == drafts[: verdict.num_accepted]
         first[verdict.token_ids[0]] += 1
         if verdict.num_accepted >= 1:
             second[verdict.token_ids[1]] += 1
@@ -147,6 +155,11 @@ def test_rule_alone_preserves_p(point_mass: bool) -> None:
     assert not chi2_rejects(second, {t: float(p_rows[1, t]) for t in range(6)}, n_second)[0]
     wrong = {t: float(q_rows[0, t]) for t in range(6)} if not point_mass else {2: 1.0}
     assert chi2_rejects(first, wrong, n)[0]
+    if rule == "coupled" and point_mass:  # kept exactly when p's draw is the draft: p(2)
+        assert abs(n_second / n - float(p_rows[0, 2])) < 4 * (0.25 / n) ** 0.5
+    elif rule == "coupled":  # coupled through the noise: above independent draws' sum p q
+        independent = float((p_rows[0] * q_rows[0]).sum())
+        assert n_second / n > independent + 0.05
 
 
 def test_greedy_rule_is_argmax() -> None:
@@ -217,46 +230,6 @@ def test_a_draft_with_zero_q_is_refused() -> None:
     assert verify_chain([0], q, p, g).token_ids[0] in (0, 1)  # q > 0: the rule as before
 
 
-@pytest.mark.parametrize("draft_kind", ["sampled", "point-mass"])
-def test_coupled_rule_alone_preserves_p(draft_kind: str) -> None:
-    """verify_chain's coupled rule on fixed rows, one seed per trial: the first emitted
-    token follows p[0] and the second (after a kept draft) p[1], whether the drafts were
-    drawn from q with the same position noise or fixed; and a sampled draft is kept as
-    often as the noise makes q's and p's draws agree, more than chance would."""
-    from speculant.sampling import Coupled, seeded_pick
-
-    g = torch.Generator().manual_seed(0)
-    p_rows = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)  # [k+1, vocab]
-    q_rows = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)  # [k, vocab]
-    n = 20000
-    first: Counter = Counter()  # type: ignore[type-arg]
-    second: Counter = Counter()  # type: ignore[type-arg]
-    kept_first = 0
-    for i in range(n):
-        coupled = Coupled(seed=i, start=40)
-        if draft_kind == "sampled":
-            drafts = [seeded_pick(q_rows[j], i, 40 + j) for j in range(2)]
-        else:
-            drafts = [2, 4]
-        verdict = verify_chain(
-            drafts, q_rows if draft_kind == "sampled" else None, p_rows, None, coupled
-        )
-        assert verdict.token_ids[: verdict.num_accepted] == drafts[: verdict.num_accepted]
-        first[verdict.token_ids[0]] += 1
-        if verdict.num_accepted >= 1:
-            second[verdict.token_ids[1]] += 1
-            kept_first += 1
-    assert not chi2_rejects(first, {t: float(p_rows[0, t]) for t in range(6)}, n)[0]
-    assert not chi2_rejects(second, {t: float(p_rows[1, t]) for t in range(6)}, kept_first)[0]
-    wrong = {t: float(q_rows[0, t]) for t in range(6)} if draft_kind == "sampled" else {2: 1.0}
-    assert chi2_rejects(first, wrong, n)[0]
-    if draft_kind == "point-mass":  # kept exactly when p's draw is the draft: p(2)
-        assert abs(kept_first / n - float(p_rows[0, 2])) < 4 * (0.25 / n) ** 0.5
-    else:  # coupled through the noise: above independent draws' agreement sum p q
-        independent = float((p_rows[0] * q_rows[0]).sum())
-        assert kept_first / n > independent + 0.05
-
-
 def test_seeded_tree_rule_follows_p() -> None:
     """verify_tree's coupled rule: the emitted first token follows p[0] and the walk
     follows the child holding the target's draw."""
@@ -299,8 +272,12 @@ def test_position_noise_is_counter_based() -> None:
 
 
 def test_sample_draws_only_tokens_with_mass() -> None:
-    """The inverse-cdf draw never lands on a token of zero probability, first or last."""
+    """The inverse-cdf draw never lands on a token of zero probability, first or last,
+    and a one-hot row gives its token."""
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4000)
     ids = sample(probs, torch.Generator().manual_seed(0))
     assert set(ids.tolist()) == {1, 3}
     assert abs(float((ids == 1).float().mean()) - 0.5) < 0.04
+    one_hot = torch.zeros(3, 5)
+    one_hot[[0, 1, 2], [0, 4, 2]] = 1.0  # the first, the last and a middle id
+    assert sample(one_hot, torch.Generator().manual_seed(1)).tolist() == [0, 4, 2]

@@ -19,24 +19,25 @@ def k_value(text: str) -> int | str:
     return value
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, least: int, also: str = "") -> int:
+    """An integer >= least; the error names the value and what is allowed (plus `also`,
+    another accepted spelling)."""
+    allowed = f">= {least}{also}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r}: use an integer {allowed}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: use {allowed}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
 
 
 def nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 0")
-    return value
+    return _int_at_least(text, 0)
 
 
 def port(text: str) -> int:
@@ -74,12 +75,4 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
 
 def seed_value(text: str) -> int | None:
     """A sampling seed: an integer >= 0, or 'none' for unseeded sampling."""
-    if text.lower() == "none":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use an integer >= 0 or 'none'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use >= 0 or 'none'")
-    return value
+    return None if text.lower() == "none" else _int_at_least(text, 0, " or 'none'")

@@ -111,13 +111,10 @@ def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """Draw one token per row. probs: [n, vocab] (rows sum to 1, up to rounding) ->
     ids: [n] (int64).
 
-    When every row holds all its mass on one token (every greedy row does), that token
-    is the draw: no randomness is needed. Otherwise one uniform per row is located in
-    the row's cumulative sum (float64): `torch.multinomial` over a 150k vocabulary costs
-    ~3.5 ms on a CPU core, a tenth of a 1.5B decode step; this costs a few tenths."""
-    top, ids = probs.max(dim=-1)
-    if bool((top == 1.0).all()) and bool(((probs > 0).sum(dim=-1) == 1).all()):
-        return ids
+    One uniform per row is located in the row's cumulative sum (float64):
+    `torch.multinomial` over a 150k vocabulary costs ~3.5 ms on a CPU core, a tenth of
+    a 1.5B decode step; this costs a few tenths. A one-hot row gives its token. (Greedy
+    requests do not come here: they take each row's argmax, see `Coupled`.)"""
     cdf = probs.double().cumsum(dim=-1)  # [n, vocab]
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)

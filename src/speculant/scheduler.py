@@ -6,8 +6,8 @@ One step, for the sequences s = 1..B that are running:
     k_s       = policy_s.choose(budget_s)                 how many to draft
     drafts_s  = lane_s.proposer.propose(tokens_s, k_s)    (batched when the proposer can)
     logits    = target.forward_batch([tokens_s[-1], *drafts_s] for every s)
-    verdict_s = verify_chain(drafts_s, q_s, p_s)          accept / resample / bonus
-    cache_s.truncate(len(tokens_s) + accepted_s)          the one rollback per sequence
+    verdict_s = verify_chain(drafts_s, q_s, p_s)          accept / resample / bonus (or coupled)
+    cache_s.truncate(len(tokens_s) + accepted_s)          drop the rejected drafts
 
 A sequence that joins is prefilled on its own, then takes part in the next step; one
 that ends (EOS, stop string, max_tokens, context, or cancelled) leaves at once and its
@@ -303,7 +303,7 @@ class Scheduler:
                     seq.draft.token_ids, q, p_target, seq.generator, seq.coupled()
                 )
                 rows = list(range(verdict.num_accepted + 1))
-                seq.cache.truncate(len(seq.tokens) + verdict.num_accepted)  # the one rollback
+                seq.cache.truncate(len(seq.tokens) + verdict.num_accepted)  # drop rejected drafts
             else:
                 verdict = verify_tree(
                     seq.draft.token_ids,
