@@ -100,21 +100,65 @@ def test_seeded_text_is_the_same_for_every_method_and_k(
 ) -> None:  # type: ignore[no-untyped-def]
     """A seeded sampled request is a function of (model, prompt, parameters, seed): the
     same tokens as plain decoding, whatever proposes the drafts, for any k (auto too),
-    alone or in a batch; and drafts were judged (some kept, so the coupling is live)."""
+    alone or in a batch, with bitwise the same logprobs; and drafts were judged (some
+    kept, so the coupling is live)."""
     params = [
-        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=n, seed=10 + i)
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=n, seed=10 + i, logprobs=2)
         for i, n in enumerate(MAX_TOKENS)
     ]
     plain_engine = _engine(tiny_root, "none", 1)
-    plain = [plain_engine.generate(p, s).token_ids for p, s in zip(PROMPTS, params, strict=True)]
+    plain = [plain_engine.generate(p, s) for p, s in zip(PROMPTS, params, strict=True)]
     engine = _engine(tiny_root, method, k)
     solo = [engine.generate(p, s) for p, s in zip(PROMPTS, params, strict=True)]
     batched = _run_batched(engine, params)
-    assert [r.token_ids for r in solo] == plain, method
-    assert [r.token_ids for r in batched] == plain, method
+    assert [r.token_ids for r in solo] == [r.token_ids for r in plain], method
+    assert [r.token_ids for r in batched] == [r.token_ids for r in plain], method
+    assert [r.logprobs for r in solo] == [r.logprobs for r in plain], method
+    assert [r.logprobs for r in batched] == [r.logprobs for r in plain], method
     assert sum(r.stats.num_drafted for r in solo) > 0
     if method in ("draft", "layer-skip"):  # drafts coupled to the target's noise
         assert sum(r.stats.num_accepted for r in solo) > 0
+
+
+@pytest.mark.parametrize("method", available_methods())
+def test_greedy_logprobs_are_plain_decodings(tiny_root, method: str) -> None:  # type: ignore[no-untyped-def]
+    """Greedy logprobs come from the target's own distribution at each emitted position:
+    bitwise those of one-token-at-a-time decoding (an oracle outside the engine), for
+    every method, alone and batched; the top alternatives are sorted and the chosen
+    token (the argmax) leads them."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
+    engine = _engine(tiny_root, method, 3)
+    solo = [engine.generate(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+    batched = _run_batched(engine, params)
+    model = engine.target
+    for prompt, n, res, res_b in zip(PROMPTS, MAX_TOKENS, solo, batched, strict=True):
+        cache = model.new_cache(len(prompt) + n)
+        model.prefill(prompt[:-1], cache)
+        tokens, expected = list(prompt), []
+        for _ in range(n):
+            logp = torch.log_softmax(model.forward([tokens[-1]], cache, len(tokens) - 1)[-1], -1)
+            token = int(logp.argmax())
+            top = torch.topk(logp, 3)
+            expected.append((token, float(logp[token]), top.indices.tolist(), top.values.tolist()))
+            tokens.append(token)
+        assert res.logprobs is not None and res_b.logprobs == res.logprobs, method
+        got = [
+            (e.token, e.logprob, [t for t, _ in e.top], [v for _, v in e.top]) for e in res.logprobs
+        ]
+        assert got == expected, method
+        assert all(e.top[0][0] == e.token for e in res.logprobs)
+
+
+def test_stop_token_ids_end_the_text(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    engine = _engine(tiny_root, "draft", 3)
+    free = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    stop = free.token_ids[5]
+    first = free.token_ids.index(stop)
+    res = engine.generate(
+        PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=(stop,))
+    )
+    assert res.token_ids == free.token_ids[: first + 1]
+    assert res.finish_reason == "stop"
 
 
 def test_propose_many_equals_separate_proposals(tiny_root) -> None:  # type: ignore[no-untyped-def]

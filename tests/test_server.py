@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
+import torch
 from serving import metrics, serving
 from tiny import tiny_chat_model
 
@@ -209,6 +210,43 @@ BAD = [
     ("chat/completions", {"messages": "hello"}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, None),
+    # typed: no coercion of strings or booleans into numbers
+    ("completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": "0.5"}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids[0]"),
+    # every parameter works or is refused by name (never a silent 200)
+    ("completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "presence_penalty": -1}, 400, "presence_penalty"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "tools": []},
+        400,
+        "tools",
+    ),
+    (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "response_format.type",
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x", "nick": 1}]}, 400, None),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    # limits: nesting a parser would recurse through, and a body over the size limit
+    ("completions", b"[" * 5000 + b"]" * 5000, 400, None),
+    ("completions", b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}', 413, None),
 ]
 
 
@@ -232,6 +270,11 @@ def test_bad_input_gets_an_openai_error(
         assert err["param"] == param
     if body == {"prompt": "hi " * 400}:
         assert err["code"] == "context_length_exceeded"
+    refused = err["code"] in ("unsupported_parameter", "unsupported_value")
+    if isinstance(body, dict) and param in body and param != "prompt" and not refused:
+        # the message names the parameter and the value it got
+        value, message = body[param], err["message"]
+        assert param in message and (repr(value)[:20] in message or str(value) in message)
     # the server keeps serving
     ok = httpx.post(
         f"{url}/v1/completions",
@@ -240,6 +283,169 @@ def test_bad_input_gets_an_openai_error(
         timeout=30,
     )
     assert ok.status_code == 200
+
+
+def test_error_messages_say_what_is_allowed(server: tuple[str, AsyncEngine]) -> None:
+    url = server[0]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def error(body: object, route: str = "completions") -> str:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(f"{url}/v1/{route}", content=raw, headers=headers, timeout=30)
+        assert r.status_code == 400, r.text
+        return str(r.json()["error"]["message"])
+
+    assert error({"prompt": "hi", "temperature": -1}) == (
+        "temperature: input should be greater than or equal to 0, got -1"
+    )
+    assert error({"prompt": 5}) == (
+        "prompt: expected a string, a list of token ids, or a list holding one of those, got int 5"
+    )
+    assert "this server accepts:" in error({"prompt": "hi", "frobnicate": 1})
+    assert "echo" in error({"prompt": "hi", "frobnicate": 1})
+    assert error({"prompt": "hi", "suffix": "x"}) == (
+        "suffix: insertion after a suffix is not supported"
+    )
+    msg = error({"messages": [{"role": "wizard", "content": "x"}]}, "chat/completions")
+    assert msg.startswith("messages[0].role:") and "'wizard'" in msg and "'user'" in msg
+    assert "32 levels" in error(b"[" * 40 + b"]" * 40)
+
+
+def test_openapi_describes_the_requests(server: tuple[str, AsyncEngine]) -> None:
+    doc = httpx.get(server[0] + "/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    completion = schemas["CompletionRequest"]
+    assert completion["required"] == ["prompt"]
+    assert completion["additionalProperties"] is False
+    for name in ("max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "echo"):
+        assert name in completion["properties"], name
+    assert completion["properties"]["logprobs"]["anyOf"][0]["maximum"] == 20
+    chat = schemas["ChatCompletionRequest"]
+    assert {"messages", "max_completion_tokens", "top_logprobs"} <= set(chat["properties"])
+    assert set(schemas["Message"]["properties"]["role"]["enum"]) == {
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "developer",
+    }
+    post = doc["paths"]["/v1/completions"]["post"]
+    body_ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body_ref.endswith("/CompletionRequest")
+    assert {"200", "400", "413"} <= set(post["responses"])
+
+
+def _plain_logprobs(
+    models: tuple[Model, Model], prompt_ids: list[int], n: int, top: int
+) -> list[tuple[int, float, dict[int, float]]]:
+    """Greedy logprobs of plain decoding (no drafts) through the engine."""
+    target, _ = models
+    res = Engine(target).generate(
+        prompt_ids, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=top)
+    )
+    assert res.logprobs is not None
+    return [(e.token, e.logprob, dict(e.top)) for e in res.logprobs]
+
+
+def test_completion_logprobs_and_echo(models: tuple[Model, Model], client: openai.OpenAI) -> None:
+    """logprobs through the openai client: the speculating server's numbers are plain
+    decoding's, bitwise; echo returns the prompt, scored token by token."""
+    target, _ = models
+    tok = target.tokenizer
+    assert tok is not None
+    prompt = "copy this list: red, green"
+    ids = tok.encode(prompt)
+    expected = _plain_logprobs(models, ids, 10, 3)
+    res = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = res.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs == [v for _, v, _ in expected]
+    assert lp.tokens == [tok.decode([t]) for t, _, _ in expected]
+    assert "".join(lp.tokens) == res.choices[0].text
+    for top, (_, _, want) in zip(lp.top_logprobs, expected, strict=True):
+        assert top == {tok.decode([t]): v for t, v in want.items()}
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+
+    echoed = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    choice = echoed.choices[0]
+    assert choice.text == prompt + res.choices[0].text
+    elp = choice.logprobs
+    assert elp is not None and elp.token_logprobs is not None and elp.text_offset is not None
+    assert len(elp.token_logprobs) == len(ids) + 10
+    assert elp.token_logprobs[0] is None  # nothing predicts the first token
+    assert elp.token_logprobs[len(ids) :] == lp.token_logprobs
+    assert elp.text_offset[len(ids)] == len(prompt)
+    # the prompt's scores: the model's log-probability of each next prompt token
+    cache = target.new_cache(len(ids))
+    logp = torch.log_softmax(target.forward(ids[:-1], cache, 0), dim=-1)
+    want = [float(logp[i, t]) for i, t in enumerate(ids[1:])]
+    assert elp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-5)
+
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        logprobs=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    streamed = [v for c in stream for v in (c.choices[0].logprobs.token_logprobs or [])]  # type: ignore[union-attr]
+    assert streamed == lp.token_logprobs
+
+
+def test_chat_logprobs_and_stop_token_ids(
+    models: tuple[Model, Model], client: openai.OpenAI
+) -> None:
+    target, _ = models
+    tok = target.tokenizer
+    assert tok is not None
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    expected = _plain_logprobs(models, ids, 8, 2)
+    res = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = res.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None
+    assert [c.logprob for c in content] == [v for _, v, _ in expected]
+    assert [c.token for c in content] == [tok.decode([t]) for t, _, _ in expected]
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    assert all(bytes(c.bytes or []) == c.token.encode() for c in content)
+    # stop_token_ids (vLLM's parameter): the text ends at the first such token
+    stop = expected[4][0]
+    first = [t for t, _, _ in expected].index(stop)
+    cut = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop]},
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage is not None and cut.usage.completion_tokens == first + 1
+    assert cut.choices[0].message.content == tok.decode([t for t, _, _ in expected[:first]])
 
 
 def test_auth(server: tuple[str, AsyncEngine]) -> None:

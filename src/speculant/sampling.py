@@ -24,9 +24,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
+
 
 class SamplingError(ValueError):
     """An out-of-range sampling parameter."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,11 @@ class SamplingParams:
         text with any proposer and any k (None: nondeterministic).
     ignore_eos: keep generating past end-of-sequence tokens.
     stop: strings that end generation; the text is cut before the first one.
+    stop_token_ids: token ids that end generation like an end-of-sequence token (even
+        with ignore_eos); the token is kept in the ids, not in the text.
+    logprobs: None, or report each new token's log-probability with this many most
+        likely alternatives (0..20), from the target's processed distribution (see
+        `token_logprobs`): the same numbers whatever proposes the drafts.
     """
 
     temperature: float = 0.0
@@ -52,6 +63,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -73,6 +86,16 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise SamplingError(f"stop={self.stop!r}: every stop string must be non-empty")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise SamplingError(
+                f"stop_token_ids={self.stop_token_ids!r}: use token ids (integers >= 0)"
+            )
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise SamplingError(
+                f"logprobs={lp!r} is out of range: use an integer 0..{MAX_LOGPROBS} or None"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +114,11 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         probs = torch.zeros_like(logits)
         probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return probs
+    return _shaped(logits, params).softmax(dim=-1)
+
+
+def _shaped(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Float logits divided by the temperature, with what top-k and top-p drop at -inf."""
     logits = logits / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
@@ -104,7 +132,41 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         drop_sorted[..., -1] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
+    return logits
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted (or prompt) token's log-probability and the most likely alternatives
+    at its position, as (token id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits: Tensor, tokens: list[int], params: SamplingParams, top_n: int
+) -> list[TokenLogprob]:
+    """Log-probabilities of `tokens` under the target's rows `logits` ([len(tokens),
+    vocab]): of the distribution tokens are drawn from (temperature, top-k, top-p
+    applied; a token they drop has -inf), and for a greedy request, whose processed
+    distribution is a point mass, of the model's own distribution (temperature 1).
+    A row's numbers depend on that row alone, so they are the same whatever was drafted."""
+    rows = logits.float()
+    shaped = rows if params.greedy else _shaped(rows, params)
+    logp = torch.log_softmax(shaped, dim=-1)
+    ids = torch.tensor(tokens, dtype=torch.long)
+    chosen = logp.gather(-1, ids[:, None])[:, 0].tolist()
+    if top_n > 0:
+        values, order = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)
+        tops = [
+            tuple(zip(o, v, strict=True))
+            for o, v in zip(order.tolist(), values.tolist(), strict=True)
+        ]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, c, top) for t, c, top in zip(tokens, chosen, tops, strict=True)]
 
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:

@@ -39,9 +39,11 @@ from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
 from speculant.sampling import (
     Coupled,
     SamplingParams,
+    TokenLogprob,
     coupling,
     make_generator,
     process_logits,
+    token_logprobs,
 )
 
 Policy = FixedK | AdaptiveK
@@ -103,14 +105,16 @@ class GenerationStats:
 class GenerationResult:
     token_ids: list[int]  # new tokens; an end-of-sequence token that stopped it is included
     text: str  # decoded new text, cut before a stop string, special tokens skipped
-    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled"
+    finish_reason: str  # "stop" (EOS, stop string or stop token), "length", or "cancelled"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when params.logprobs
 
 
 @dataclass(frozen=True)
 class StreamChunk:
     token_ids: list[int]  # tokens committed by this step
     text: str  # text that became final with them (may be "" while a stop string could start)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when params.logprobs
 
 
 @dataclass(frozen=True)
@@ -182,12 +186,12 @@ class SequenceState:
         self.cache: KVCache = target.new_cache(self.capacity)
         self.generator = make_generator(params.seed)
         tokenizer = target.tokenizer
-        self.eos = (
-            frozenset() if params.ignore_eos or tokenizer is None else tokenizer.eos_token_ids
-        )
+        eos = frozenset() if params.ignore_eos or tokenizer is None else tokenizer.eos_token_ids
+        self.eos = eos | frozenset(params.stop_token_ids)
         self.text = TextTracker(target, params.stop)
         self.tokens = list(prompt)
         self.output: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         self.finish: str | None = None
         self.draft = Draft([])
         self.k = 0
@@ -227,7 +231,11 @@ class SequenceState:
         self.stats.num_generated = len(self.output)
         self.stats.elapsed_s = time.perf_counter() - self.t0
         return GenerationResult(
-            list(self.output), self.text.final_text(), self.finish or "length", self.stats
+            list(self.output),
+            self.text.final_text(),
+            self.finish or "length",
+            self.stats,
+            None if self.logprobs is None else list(self.logprobs),
         )
 
 
@@ -294,6 +302,7 @@ class Scheduler:
         assert all_logits is not None  # [k_s + 1, vocab] each
         events = []
         verdicts: list[Verdict | TreeVerdict] = []
+        emitted_rows: list[list[int]] = []  # the logits row of each token a verdict emits
         for i, (seq, logits, seg) in enumerate(zip(seqs, all_logits, segments, strict=True)):
             # Greedy verification needs only each row's argmax: the raw logits serve.
             p_target = logits if seq.params.greedy else process_logits(logits, seq.params)
@@ -318,6 +327,7 @@ class Scheduler:
             if hidden is not None and _needs_features(seq.lane):
                 seq.lane.proposer.observe(hidden[i][rows])  # type: ignore[attr-defined]
             verdicts.append(verdict)
+            emitted_rows.append(rows)
         t_done = time.perf_counter()
         draft_s, verify_s = t_verify - t_draft, t_done - t_verify
         # A proposer that drafts after drafting nothing catches up on the tokens it has
@@ -329,16 +339,23 @@ class Scheduler:
             draft_depth=_draft_depth(seqs),
             draft_s=draft_s if caught_up else None,
         )
-        for seq, verdict in zip(seqs, verdicts, strict=True):
+        for seq, verdict, logits, rows in zip(
+            seqs, verdicts, all_logits, emitted_rows, strict=True
+        ):
             drafted = seq.draft.depth  # a tree counts its longest path
             seq.lane.policy.observe(drafted, verdict.num_accepted, draft_s, verify_s, cost)
             seq.stats.record(drafted, verdict.num_accepted)
             chunk = seq.commit(verdict.token_ids)
+            if seq.logprobs is not None and seq.params.logprobs is not None:
+                ids = chunk.token_ids
+                lps = token_logprobs(logits[rows[: len(ids)]], ids, seq.params, seq.params.logprobs)
+                seq.logprobs.extend(lps)
+                chunk = StreamChunk(ids, chunk.text, lps)
             result = None
             if seq.finish is not None:
                 tail = seq.text.release(final=True)
                 if tail:
-                    chunk = StreamChunk(chunk.token_ids, chunk.text + tail)
+                    chunk = StreamChunk(chunk.token_ids, chunk.text + tail, chunk.logprobs)
                 self._retire(seq)
                 result = seq.result()
             events.append(StepEvent(seq, chunk, drafted, verdict.num_accepted, result))

@@ -9,30 +9,62 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from speculant.anomaly import AnomalyVerdict
 from speculant.cadence import Ticker, TokenSplitter, wait_for_slot
+from speculant.sampling import TokenLogprob
 from speculant.scheduler import GenerationResult, RequestError, StreamChunk
 from speculant.server.async_engine import EngineClient, RequestOutput
-from speculant.server.schema import APIError, ParsedRequest, parse_request, sampling_params
+from speculant.server.limits import MAX_BODY_BYTES, BodyLimits
+from speculant.server.schema import (
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+    sampling_params,
+    validation_error,
+)
 
 log = logging.getLogger("speculant.server")
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": what}
+    for code, what in [
+        (400, "a bad parameter (named in error.param)"),
+        (401, "missing or wrong API key"),
+        (404, "the model is not served here"),
+        (413, "the body is too large"),
+        (500, "generation failed"),
+    ]
+}
+STREAMED = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
 def create_app(
-    engine: EngineClient, api_key: str | None = None, stream_cadence_s: float | None = None
+    engine: EngineClient,
+    api_key: str | None = None,
+    stream_cadence_s: float | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app; `engine.start()` / `engine.shutdown()` run with its lifespan when present.
 
     stream_cadence_s: emit streamed tokens one per event at this fixed cadence (see
-    speculant.cadence: hides which tokens were accepted together)."""
+    speculant.cadence: hides which tokens were accepted together).
+    max_body_bytes: larger request bodies get a 413."""
     if stream_cadence_s is not None and not stream_cadence_s > 0:
         raise ValueError(f"stream cadence {stream_cadence_s} s is out of range: use > 0")
 
@@ -50,6 +82,11 @@ def create_app(
 
     app = FastAPI(title="speculant", lifespan=lifespan)
     metrics = engine.metrics
+    app.add_middleware(
+        BodyLimits,
+        max_bytes=max_body_bytes,
+        on_refuse=lambda status: metrics.errors.labels(status=str(status)).inc(),
+    )
 
     @app.middleware("http")
     async def auth(
@@ -75,7 +112,11 @@ def create_app(
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.errors.labels(status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, validation_error(exc.errors(), exc.body))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -100,27 +141,31 @@ def create_app(
             ],
         }
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> Response:
-        return await _serve(engine, request, False, stream_cadence_s)
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": STREAMED}, **ERRORS},
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Complete a prompt (text or token ids); SSE events when stream is true."""
+        return await _serve(engine, request, parse_completion(body), False, stream_cadence_s)
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> Response:
-        return await _serve(engine, request, True, stream_cadence_s)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": STREAMED}, **ERRORS},
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Answer a conversation through the model's chat template; SSE when stream is true."""
+        return await _serve(engine, request, parse_chat(body), True, stream_cadence_s)
 
     return app
 
 
 async def _serve(
-    engine: EngineClient, request: Request, chat: bool, cadence_s: float | None
+    engine: EngineClient, request: Request, req: ParsedRequest, chat: bool, cadence_s: float | None
 ) -> Response:
     arrival = time.perf_counter()
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    req = parse_request(body, chat=chat)
     if req.model is not None and req.model != engine.model_name:
         raise APIError(
             f"model {req.model!r} is not served here: use {engine.model_name!r}",
@@ -137,14 +182,23 @@ async def _serve(
         raise APIError(str(exc), param="prompt") from None
     params = sampling_params(req, len(prompt_ids), engine.max_model_len)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    outputs = engine.generate(prompt_ids, params, arrival)
+    scored = req.logprobs if req.echo else None
+    outputs = engine.generate(prompt_ids, params, arrival, prompt_logprobs=scored)
+    echo = _echo_text(engine, req, prompt_ids) if req.echo else ""
+    reply = _Reply(engine, req, rid, chat, prompt_ids, echo)
     if req.stream:
         return StreamingResponse(
-            _sse(engine, req, rid, chat, len(prompt_ids), outputs, cadence_s),
+            _sse(reply, outputs, cadence_s),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _whole(engine, request, req, rid, chat, len(prompt_ids), outputs)
+    return await _whole(reply, request, outputs)
+
+
+def _echo_text(engine: EngineClient, req: ParsedRequest, prompt_ids: list[int]) -> str:
+    if req.prompt_text is not None:
+        return req.prompt_text
+    return engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
 def _tokenize(engine: EngineClient, req: ParsedRequest) -> list[int]:
@@ -193,16 +247,88 @@ def _finish(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def _choice(chat: bool, text: str, finish: str | None, delta: bool, first: bool) -> dict[str, Any]:
-    if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    if delta:
-        body: dict[str, Any] = {"content": text} if text or not first else {}
-        if first:
-            body = {"role": "assistant", "content": text}
-        return {"index": 0, "delta": body, "logprobs": None, "finish_reason": finish}
-    message = {"role": "assistant", "content": text}
-    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+LOGPROB_FLOOR = -9999.0  # a token top-k / top-p dropped has -inf, which JSON cannot carry
+
+
+class _Reply:
+    """What the answer to one request is built from: its ids, the echoed prompt, and
+    the token texts and bytes its logprobs name."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        req: ParsedRequest,
+        rid: str,
+        chat: bool,
+        prompt_ids: list[int],
+        echo: str,
+    ) -> None:
+        self.engine = engine
+        self.req = req
+        self.rid = rid
+        self.chat = chat
+        self.prompt_ids = prompt_ids
+        self.echo = echo
+        self.offset = 0  # text_offset of the next completions token
+        self._texts: dict[int, str] = {}
+
+    def token_text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self.engine.tokenizer.decode([token], skip_special_tokens=False)
+            self._texts[token] = text
+        return text
+
+    def choice(
+        self, text: str, finish: str | None, delta: bool, first: bool, logprobs: Any = None
+    ) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if delta:
+            body: dict[str, Any] = {"content": text} if text or not first else {}
+            if first:
+                body = {"role": "assistant", "content": text}
+            return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def logprobs(self, entries: Sequence[TokenLogprob | None], prompt: bool = False) -> Any:
+        """The OpenAI logprobs object of these tokens (completions' parallel lists, or
+        chat's content list); None when the request did not ask for logprobs."""
+        if self.req.logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries if e is not None]}
+        ids = self.prompt_ids if prompt else [e.token for e in entries if e is not None]
+        tokens, offsets = [], []
+        if prompt:
+            self.offset = 0
+        for token in ids:
+            tokens.append(self.token_text(token))
+            offsets.append(self.offset)
+            self.offset += len(tokens[-1])
+        if prompt:
+            self.offset = len(self.echo)  # the completion's text follows the echoed prompt
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else _floor(e.logprob) for e in entries],
+            "top_logprobs": [
+                None if e is None else {self.token_text(t): _floor(v) for t, v in e.top}
+                for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, e: TokenLogprob) -> dict[str, Any]:
+        def one(token: int, value: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": _floor(value), "bytes": list(text.encode())}
+
+        return {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+
+
+def _floor(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
 
 
 def _error_of(out: RequestOutput) -> APIError:
@@ -212,17 +338,15 @@ def _error_of(out: RequestOutput) -> APIError:
 
 
 async def _whole(
-    engine: EngineClient,
-    request: Request,
-    req: ParsedRequest,
-    rid: str,
-    chat: bool,
-    prompt_len: int,
-    outputs: AsyncIterator[RequestOutput],
+    reply: _Reply, request: Request, outputs: AsyncIterator[RequestOutput]
 ) -> Response:
+    prompt_scores: list[TokenLogprob | None] = []
+
     async def collect() -> RequestOutput:
         last = RequestOutput("", [])
         async for out in outputs:
+            if out.prompt_logprobs is not None:
+                prompt_scores.extend(out.prompt_logprobs)
             last = out
         return last
 
@@ -239,27 +363,31 @@ async def _whole(
     if last.error is not None or last.result is None:
         raise _error_of(last)
     result = last.result
+    entries: list[TokenLogprob | None] = [*prompt_scores, *(result.logprobs or [])]
+    if reply.req.echo and reply.req.logprobs is not None:
+        logprobs = reply.logprobs(prompt_scores, prompt=True)
+        more = reply.logprobs(result.logprobs or [])
+        logprobs = {key: logprobs[key] + more[key] for key in logprobs}
+    else:
+        logprobs = reply.logprobs(entries)
+    engine = reply.engine
+    choice = reply.choice(reply.echo + result.text, _finish(result), False, False, logprobs)
     return JSONResponse(
         {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
+            "id": reply.rid,
+            "object": "chat.completion" if reply.chat else "text_completion",
             "created": int(time.time()),
             "model": engine.model_name,
-            "choices": [_choice(chat, result.text, _finish(result), delta=False, first=False)],
-            "usage": _usage(engine, prompt_len, result, last.anomaly),
+            "choices": [choice],
+            "usage": _usage(engine, len(reply.prompt_ids), result, last.anomaly),
         }
     )
 
 
 async def _sse(
-    engine: EngineClient,
-    req: ParsedRequest,
-    rid: str,
-    chat: bool,
-    prompt_len: int,
-    outputs: AsyncIterator[RequestOutput],
-    cadence_s: float | None,
+    reply: _Reply, outputs: AsyncIterator[RequestOutput], cadence_s: float | None
 ) -> AsyncIterator[bytes]:
+    engine, req, chat = reply.engine, reply.req, reply.chat
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     ticker = Ticker(cadence_s) if cadence_s else None
@@ -270,7 +398,7 @@ async def _sse(
 
     def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {
-            "id": rid,
+            "id": reply.rid,
             "object": kind,
             "created": created,
             "model": engine.model_name,
@@ -283,27 +411,36 @@ async def _sse(
     first = True
     try:
         if chat:
-            yield event([_choice(chat, "", None, delta=True, first=True)])
+            yield event([reply.choice("", None, delta=True, first=True)])
             first = False
+        elif req.echo and req.logprobs is None:
+            yield event([reply.choice(reply.echo, None, delta=True, first=True)])
         async for out in outputs:
             if out.error is not None:
                 yield f"data: {json.dumps(_error_of(out).body())}\n\n".encode()
                 break
+            if out.prompt_logprobs is not None:  # echo with logprobs: the scored prompt
+                lps = reply.logprobs(out.prompt_logprobs, prompt=True)
+                yield event([reply.choice(reply.echo, None, True, False, lps)])
+                continue
             result = out.result
             finish = _finish(result) if result is not None else None
+            scores = out.logprobs or []
             if ticker is not None and splitter is not None:
                 # One event per token, each at its slot: timing says nothing of acceptance.
                 pieces = splitter.split(StreamChunk(out.token_ids, out.text))
                 for i, piece in enumerate(pieces):
                     await wait_for_slot(ticker)
                     last = finish if i == len(pieces) - 1 else None
-                    yield event([_choice(chat, piece, last, delta=True, first=first)])
+                    lps = reply.logprobs(scores[i : i + 1]) if i < len(scores) else None
+                    yield event([reply.choice(piece, last, True, first, lps)])
                     first = False
-            elif out.text or finish is not None:
-                yield event([_choice(chat, out.text, finish, delta=True, first=first)])
+            elif out.text or scores or finish is not None:
+                lps = reply.logprobs(scores) if scores else None
+                yield event([reply.choice(out.text, finish, True, first, lps)])
                 first = False
             if result is not None and req.include_usage:
-                yield event([], _usage(engine, prompt_len, result, out.anomaly))
+                yield event([], _usage(engine, len(reply.prompt_ids), result, out.anomaly))
         yield b"data: [DONE]\n\n"
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

@@ -21,8 +21,9 @@ from typing import Protocol
 from speculant.anomaly import AcceptanceBaseline, AnomalyVerdict
 from speculant.engine import Engine
 from speculant.models.tokenizer import Tokenizer
-from speculant.sampling import SamplingParams
+from speculant.sampling import SamplingParams, TokenLogprob
 from speculant.scheduler import GenerationResult, SequenceState, check_prompt
+from speculant.scoring import prompt_logprobs
 from speculant.server.metrics import ServerMetrics
 
 log = logging.getLogger("speculant.server")
@@ -37,6 +38,8 @@ class RequestOutput:
     result: GenerationResult | None = None
     error: str | None = None
     anomaly: AnomalyVerdict | None = None  # with the result: acceptance vs the baseline
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first output, when asked for
 
 
 class EngineClient(Protocol):
@@ -52,7 +55,11 @@ class EngineClient(Protocol):
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]: ...
 
     def generate(
-        self, prompt_ids: list[int], params: SamplingParams, arrival: float
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        prompt_logprobs: int | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
 
@@ -64,6 +71,7 @@ class _Request:
     arrival: float
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput]
+    prompt_logprobs: int | None = None  # score the prompt first, with this many alternatives
     seq: SequenceState | None = None
     cancelled: bool = False
     last_emit: float = 0.0
@@ -134,8 +142,14 @@ class AsyncEngine:
         return check_prompt(prompt_ids, self.engine.target.vocab_size, self.max_model_len)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, arrival: float
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        prompt_logprobs: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they are committed; with prompt_logprobs, the first
+        carries the prompt's scores (see speculant.scoring) and no tokens."""
         req = _Request(
             next(self._ids),
             prompt_ids,
@@ -143,6 +157,7 @@ class AsyncEngine:
             arrival,
             asyncio.get_running_loop(),
             asyncio.Queue(),
+            prompt_logprobs,
         )
         with self._cv:
             self._waiting.append(req)
@@ -206,9 +221,10 @@ class AsyncEngine:
                 verdict = None
                 if event.result is not None:
                     verdict = self._judge(owner, event.result)
+                chunk = event.chunk
                 owner.send(
                     RequestOutput(
-                        event.chunk.text, event.chunk.token_ids, event.result, None, verdict
+                        chunk.text, chunk.token_ids, event.result, None, verdict, chunk.logprobs
                     )
                 )
                 if event.result is not None:
@@ -222,6 +238,11 @@ class AsyncEngine:
 
     def _admit(self, req: _Request) -> None:
         try:
+            if req.prompt_logprobs is not None:
+                scores = prompt_logprobs(
+                    self.engine.target, req.prompt, req.params, req.prompt_logprobs
+                )
+                req.send(RequestOutput("", [], prompt_logprobs=scores))
             req.seq = self._sched.add(req.id, req.prompt, req.params)
         except Exception as exc:
             log.exception("could not start request %s", req.id)

@@ -1,13 +1,21 @@
-"""OpenAI request bodies, checked by hand so that every bad value gets an OpenAI error
-object naming the parameter and what is allowed (never a framework's own format)."""
+"""OpenAI request and response bodies as typed models.
+
+FastAPI validates every request against these models and describes them in
+/openapi.json. A body that fails gets an OpenAI error object (never the framework's
+422) naming the parameter and what is allowed (`validation_error`). Every parameter
+either works or is refused with a 400 that names it: an unknown parameter is refused,
+not ignored, so a client never gets an answer to a question it did not ask.
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from speculant.sampling import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field
+
+from speculant.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -24,6 +32,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -31,6 +40,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {
@@ -41,6 +51,186 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    # strict: "1" is not a number and 1 is not true; extra: an unknown name is refused
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"] = Field(
+        description="only plain text: structured output (json_object, json_schema) is refused"
+    )
+
+
+TokenId = Annotated[int, Field(ge=0)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class _Sampling(_Body):
+    model: str | None = Field(None, description="the served model's id, or omitted")
+    max_tokens: int | None = Field(
+        None, ge=1, description="new tokens at most (default: what the context leaves)"
+    )
+    temperature: float | None = Field(None, ge=0.0, description="0 is greedy (default 1)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 is off")
+    n: int | None = Field(None, ge=1, description="choices per request (only 1 so far)")
+    seed: int | None = Field(
+        None, ge=0, description="the same seed gives the same text with any method"
+    )
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} stop strings")
+    stop_token_ids: list[TokenId] | None = Field(None, description="token ids that end the text")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    frequency_penalty: Penalty | None = Field(None, description="not supported yet: only 0")
+    presence_penalty: Penalty | None = Field(None, description="not supported yet: only 0")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="not supported yet: only an empty map"
+    )
+    user: str | None = Field(None, description="an end-user id; not used")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Logprobs | None = Field(
+        None, description="report this many most likely alternatives per token (0-20)"
+    )
+    echo: bool | None = Field(False, description="return the prompt before the completion")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: Logprobs | None = None
+    response_format: ResponseFormat | None = None
+
+
+# Refused parameters that clients send, with the reason (any other unknown name gets a
+# generic refusal that lists what is accepted).
+UNSUPPORTED = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "suffix": "insertion after a suffix is not supported",
+    "best_of": "best_of is not supported: send several requests with different seeds",
+    "audio": "only text output is supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "repetition_penalty": "repetition_penalty is not supported yet",
+    "name": "participant names are not supported",
+    "tool_calls": "tool calling is not supported",
+}
+_UNIONS = {
+    "prompt": "a string, a list of token ids, or a list holding one of those",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+_FIELDS = frozenset(
+    name
+    for cls in (CompletionRequest, ChatCompletionRequest, Message, TextPart, StreamOptions)
+    for name in cls.model_fields
+)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _param(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _walk(body: Any, loc: Sequence[Any]) -> Any:
+    for part in loc:
+        try:
+            body = body[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+def validation_error(errors: Sequence[Any], body: Any) -> APIError:
+    """The first failed check of a request body, as an OpenAI error naming the parameter
+    (its path, e.g. messages[0].role), the value given and what is allowed."""
+    err = errors[0]
+    loc = [p for p in err["loc"] if p != "body"] if err["loc"][:1] == ("body",) else err["loc"]
+    kind = err["type"]
+    if kind == "json_invalid":
+        reason = (err.get("ctx") or {}).get("error", "")
+        return APIError(f"the request body is not valid JSON: {reason}", code="invalid_json")
+    if kind == "extra_forbidden":
+        name = str(loc[-1])
+        param = _param(loc)
+        why = UNSUPPORTED.get(name)
+        if why is None:
+            where = loc[:-1]
+            fields = _fields_at(where, body)
+            why = f"unknown parameter; this server accepts: {', '.join(fields)}"
+        return APIError(f"{param}: {why}", param=param, code="unsupported_parameter")
+    # Union members add their own names to the path ('str', 'list[int]', ...): drop them.
+    path = [p for p in loc if isinstance(p, int) or p in _FIELDS]
+    if not path:
+        return APIError(f"the request body must be a JSON object, got {_type_name(body)}")
+    param = _param(path)
+    if kind == "missing":
+        return APIError(f"{param}: required, and it is missing", param=param, code="missing")
+    value = _walk(body, path)
+    field = next((p for p in reversed(path) if isinstance(p, str)), "")
+    if field in _UNIONS and len(loc) > len(path) and not err["msg"].startswith("Value error"):
+        message = f"expected {_UNIONS[field]}, got {_type_name(value)} {_show(value)}"
+    else:
+        message = f"{err['msg'][0].lower()}{err['msg'][1:]}, got {_show(value)}"
+    return APIError(f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _fields_at(loc: Sequence[Any], body: Any) -> list[str]:
+    if not loc:
+        chat = isinstance(body, dict) and "messages" in body
+        return sorted((ChatCompletionRequest if chat else CompletionRequest).model_fields)
+    last = next((p for p in reversed(loc) if isinstance(p, str)), "")
+    nested: dict[str, type[BaseModel]] = {
+        "messages": Message,
+        "stream_options": StreamOptions,
+        "content": TextPart,
+        "response_format": ResponseFormat,
+    }
+    cls = nested.get(last)
+    return sorted(cls.model_fields) if cls is not None else []
+
+
+# -- checked requests ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -57,178 +247,90 @@ class ParsedRequest:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per token, None when not asked for
+    echo: bool = False  # completions: the prompt (and its logprobs) before the text
 
 
-def _bad(param: str, message: str) -> APIError:
-    return APIError(f"{param}: {message}", param=param, code="invalid_value")
+def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(f"{param}: {message}", param=param, code=code)
 
 
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(name, f"expected a number, got {_type_name(value)} {value!r}")
-    if not math.isfinite(value):
-        raise _bad(name, f"{value!r} is not a finite number")
-    return float(value)
-
-
-def _integer(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, f"expected an integer, got {_type_name(value)} {value!r}")
-    return value
-
-
-def _boolean(body: dict[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _bad(name, f"expected true or false, got {_type_name(value)} {value!r}")
-    return value
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise _bad("stop", f"expected a string or a list of strings, got {value!r}")
-    if len(items) > MAX_STOP:
-        raise _bad("stop", f"{len(items)} stop strings: use at most {MAX_STOP}")
-    if any(s == "" for s in items):
+def _common(req: _Sampling) -> dict[str, Any]:
+    if req.n is not None and req.n != 1:
+        raise _bad("n", f"n={req.n} is not supported: send n requests", "unsupported_value")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(req, name)
+        if value:
+            raise _bad(name, f"{value:g} is not supported yet: only 0", "unsupported_value")
+    if req.logit_bias:
+        raise _bad("logit_bias", "not supported yet: send an empty map", "unsupported_value")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > MAX_STOP:
+        raise _bad("stop", f"{len(stop)} stop strings: use at most {MAX_STOP}")
+    if any(s == "" for s in stop):
         raise _bad("stop", "stop strings must be non-empty")
-    return tuple(items)
-
-
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for i, part in enumerate(value):
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise _bad(f"{where}[{i}]", "only text content parts are supported")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _bad(f"{where}[{i}].text", f"expected a string, got {_type_name(text)}")
-            parts.append(text)
-        return "".join(parts)
-    if value is None:
-        return ""
-    raise _bad(where, f"expected a string or a list of text parts, got {_type_name(value)}")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    value = body.get("messages")
-    if not isinstance(value, list) or not value:
-        raise _bad("messages", f"expected a non-empty list of messages, got {value!r}"[:200])
-    out = []
-    for i, msg in enumerate(value):
-        if not isinstance(msg, dict):
-            raise _bad(f"messages[{i}]", f"expected an object, got {_type_name(msg)}")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(ROLES)}")
-        out.append(
-            {"role": role, "content": _content(msg.get("content"), f"messages[{i}].content")}
-        )
-    return out
-
-
-def _prompt(body: dict[str, Any]) -> tuple[str | None, list[int] | None]:
-    value = body.get("prompt")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]  # one prompt in a list
-    if isinstance(value, str):
-        return value, None
-    if (
-        isinstance(value, list)
-        and value
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    ):
-        return None, list(value)
-    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-        raise _bad("prompt", f"{len(value)} prompts in one request: send one prompt per request")
-    raise _bad(
-        "prompt",
-        "expected a string or a list of token ids"
-        + ("" if value is not None else ", and it is missing"),
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    return dict(
+        model=req.model,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=bool(req.ignore_eos),
+        stream=stream,
+        include_usage=req.stream_options is not None and req.stream_options.include_usage,
     )
 
 
-def parse_request(body: Any, chat: bool) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {_type_name(body)}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model", f"expected a string, got {_type_name(model)}")
-    n = _integer(body, "n")
-    if n is not None and n != 1:
-        raise APIError(
-            f"n={n} is not supported: this server returns one choice per request (send n requests)",
-            param="n",
-            code="unsupported_value",
-        )
-    if chat:
-        messages = _messages(body)
-        prompt_text, prompt_ids = None, None
-        max_tokens = _integer(body, "max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = _integer(body, "max_tokens")
+def parse_completion(req: CompletionRequest) -> ParsedRequest:
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a list
+    text, ids = None, None
+    if isinstance(prompt, str):
+        text = prompt
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    elif prompt:
+        raise _bad("prompt", f"{len(prompt)} prompts in one request: send one prompt per request")
     else:
-        messages = None
-        prompt_text, prompt_ids = _prompt(body)
-        max_tokens = _integer(body, "max_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise _bad("max_tokens", f"{max_tokens} is out of range: use an integer >= 1")
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise _bad("temperature", f"{temperature:g} is out of range: use a number >= 0")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise _bad("top_p", f"{top_p:g} is out of range: use a number in (0, 1]")
-    top_k = _integer(body, "top_k")
-    if top_k is not None and top_k < -1:
-        raise _bad("top_k", f"{top_k} is out of range: use -1 or 0 (off) or a positive integer")
-    seed = _integer(body, "seed")
-    if seed is not None and seed < 0:
-        raise _bad("seed", f"{seed} is out of range: use an integer >= 0")
-    stream = _boolean(body, "stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise _bad("stream_options", f"expected an object, got {_type_name(options)}")
-        if not stream:
-            raise _bad("stream_options", "only allowed with stream: true")
-        include_usage = _boolean(options, "include_usage")
+        raise _bad("prompt", "expected a string or a non-empty list of token ids, got []")
     return ParsedRequest(
-        model=model,
-        prompt_text=prompt_text,
-        prompt_ids=prompt_ids,
+        prompt_text=text,
+        prompt_ids=ids,
+        messages=None,
+        max_tokens=req.max_tokens,
+        logprobs=req.logprobs,
+        echo=bool(req.echo),
+        **_common(req),
+    )
+
+
+def parse_chat(req: ChatCompletionRequest) -> ParsedRequest:
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        messages.append({"role": m.role, "content": content or ""})
+    if req.top_logprobs is not None and not req.logprobs:
+        raise _bad("top_logprobs", f"{req.top_logprobs} is only allowed with logprobs: true")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens else req.max_tokens
+    return ParsedRequest(
+        prompt_text=None,
+        prompt_ids=None,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(top_k or 0, 0),
-        seed=seed,
-        stop=_stop(body),
-        ignore_eos=_boolean(body, "ignore_eos"),
-        stream=stream,
-        include_usage=include_usage,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        **_common(req),
     )
 
 
@@ -259,4 +361,98 @@ def sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: int) -> 
         seed=req.seed,
         ignore_eos=req.ignore_eos,
         stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        logprobs=req.logprobs,
     )
+
+
+# -- responses (described in /openapi.json) -------------------------------------------
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorObject
+
+
+class Speculation(BaseModel):
+    method: str
+    num_speculative_tokens: int | str
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None
+    mean_accepted_length: float
+    target_forwards: int
+    accepted_per_position: list[int]
+    model_config = ConfigDict(extra="allow")  # the anomaly verdict's fields
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculation: Speculation
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
