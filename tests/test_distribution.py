@@ -18,7 +18,7 @@ from conftest import tiny_model
 from speculant import Engine, SamplingParams
 from speculant.models.model import Model
 from speculant.rejection import verify_chain
-from speculant.sampling import process_logits, sample
+from speculant.sampling import penalize, process_logits, sample
 
 VOCAB = 8
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
@@ -54,13 +54,14 @@ def chi2_rejects(counts: Counter, expected: dict, n: int) -> tuple[bool, float, 
 def exact_two_token(model: Model, prompt: list[int], params: SamplingParams) -> dict:  # type: ignore[type-arg]
     """P(t1, t2 | prompt) under `params`' processing, by enumeration."""
     logits = model.forward(prompt, model.new_cache(16), 0)[-1:]
-    p1 = process_logits(logits, params)[0]
+    n = len(prompt)
+    p1 = process_logits(penalize(logits, params, [prompt], n), params)[0]
     out = {}
     for t1 in range(VOCAB):
         if p1[t1] == 0:
             continue
         l2 = model.forward([*prompt, t1], model.new_cache(16), 0)[-1:]
-        p2 = process_logits(l2, params)[0]
+        p2 = process_logits(penalize(l2, params, [[*prompt, t1]], n), params)[0]
         for t2 in range(VOCAB):
             if p2[t2] > 0:
                 out[(t1, t2)] = float(p1[t1] * p2[t2])
@@ -71,6 +72,15 @@ SETTINGS = [
     SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
     SamplingParams(temperature=0.7, top_k=4, max_tokens=3, ignore_eos=True),
     SamplingParams(temperature=1.3, top_p=0.8, max_tokens=3, ignore_eos=True),
+    SamplingParams(
+        temperature=1.0,
+        max_tokens=3,
+        ignore_eos=True,
+        frequency_penalty=1.0,
+        presence_penalty=0.5,
+        repetition_penalty=1.5,
+        logit_bias={3: 1.0},
+    ),
 ]
 
 
@@ -89,7 +99,9 @@ def unseeded(monkeypatch, start: int) -> None:  # type: ignore[no-untyped-def]
     )
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8"])
+@pytest.mark.parametrize(
+    "params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8", "T1-penalties"]
+)
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("rule", ["standard", "coupled"])
 def test_engine_samples_follow_target(
@@ -117,6 +129,10 @@ def test_engine_samples_follow_target(
     assert not rejected, f"samples do not follow the target: chi2={stat:.1f} > {crit:.1f}"
     rejected, stat, crit = chi2_rejects(counts, exact_two_token(draft, prompt, params), n)
     assert rejected, f"test has no power: draft distribution not rejected (chi2={stat:.1f})"
+    if params.penalized:  # and the penalties are live: the unpenalized target is rejected
+        free = SamplingParams(temperature=params.temperature, max_tokens=3, ignore_eos=True)
+        rejected, stat, crit = chi2_rejects(counts, exact_two_token(target, prompt, free), n)
+        assert rejected, f"penalties changed nothing measurable (chi2={stat:.1f})"
 
 
 @pytest.mark.parametrize("point_mass", [False, True])

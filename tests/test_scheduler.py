@@ -4,6 +4,8 @@ sampling; batched drafting equals separate drafting; cancellation frees the lane
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -147,6 +149,58 @@ def test_greedy_logprobs_are_plain_decodings(tiny_root, method: str) -> None:  #
         ]
         assert got == expected, method
         assert all(e.top[0][0] == e.token for e in res.logprobs)
+
+
+PENALTIES = dict(
+    frequency_penalty=1.5,
+    presence_penalty=0.5,
+    repetition_penalty=1.3,
+    logit_bias={7: 3.0, 9: -100.0},
+)
+
+
+def _penalized_greedy(model, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """An oracle written apart from the engine: one token per pass, the bias and
+    penalties applied element by element (bias, repetition, frequency and presence)."""
+    cache = model.new_cache(len(prompt) + n)
+    model.prefill(prompt[:-1], cache)
+    tokens = list(prompt)
+    for _ in range(n):
+        row = model.forward([tokens[-1]], cache, len(tokens) - 1)[-1].clone()
+        row[7] += 3.0
+        row[9] -= 100.0
+        for t in set(tokens):
+            row[t] = row[t] / 1.3 if row[t] > 0 else row[t] * 1.3
+        for t, c in Counter(tokens[len(prompt) :]).items():
+            row[t] -= 1.5 * c + 0.5
+        tokens.append(int(row.argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("method", available_methods())
+def test_penalties_and_bias_stay_lossless(tiny_root, method: str) -> None:  # type: ignore[no-untyped-def]
+    """Penalties count the drafts before each verified row as output: greedy output
+    equals the oracle's (and differs from unpenalized decoding), seeded sampling
+    equals plain decoding's with the same penalties, alone and batched."""
+    engine = _engine(tiny_root, method, 3)
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True, **PENALTIES) for n in MAX_TOKENS]  # type: ignore[arg-type]
+    solo = [engine.generate(p, s).token_ids for p, s in zip(PROMPTS, greedy, strict=True)]
+    expected = [
+        _penalized_greedy(engine.target, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)
+    ]
+    assert solo == expected, method
+    assert [r.token_ids for r in _run_batched(engine, greedy)] == expected, method
+    free = [plain_greedy(engine.target, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    assert free != expected  # the penalties did something
+    assert all(9 not in ids for ids in solo)  # a -100 bias bans a token
+    sampled = [
+        SamplingParams(temperature=0.9, top_k=20, max_tokens=n, seed=5 + i, **PENALTIES)  # type: ignore[arg-type]
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    plain_engine = _engine(tiny_root, "none", 1)
+    plain = [plain_engine.generate(p, s).token_ids for p, s in zip(PROMPTS, sampled, strict=True)]
+    assert [engine.generate(p, s).token_ids for p, s in zip(PROMPTS, sampled, strict=True)] == plain
+    assert [r.token_ids for r in _run_batched(engine, sampled)] == plain, method
 
 
 def test_stop_token_ids_end_the_text(tiny_root) -> None:  # type: ignore[no-untyped-def]

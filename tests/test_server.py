@@ -218,9 +218,13 @@ BAD = [
     # every parameter works or is refused by name (never a silent 200)
     ("completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ("completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
-    ("completions", {"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ("completions", {"prompt": "hi", "presence_penalty": -1}, 400, "presence_penalty"),
-    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "hi", "presence_penalty": "high"}, 400, "presence_penalty"),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": "hi", "logit_bias": {"abc": 10}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias.5"),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "tools": []},
@@ -274,7 +278,9 @@ def test_bad_input_gets_an_openai_error(
     if isinstance(body, dict) and param in body and param != "prompt" and not refused:
         # the message names the parameter and the value it got
         value, message = body[param], err["message"]
-        assert param in message and (repr(value)[:20] in message or str(value) in message)
+        parts = value if isinstance(value, list | dict) else []  # a list's items, a map's keys
+        shown = [repr(value)[:20], str(value), *(str(k) for k in parts)]
+        assert param in message and any(v in message for v in shown), message
     # the server keeps serving
     ok = httpx.post(
         f"{url}/v1/completions",
@@ -407,6 +413,35 @@ def test_completion_logprobs_and_echo(models: tuple[Model, Model], client: opena
     )
     streamed = [v for c in stream for v in (c.choices[0].logprobs.token_logprobs or [])]  # type: ignore[union-attr]
     assert streamed == lp.token_logprobs
+
+
+def test_penalties_and_logit_bias(models: tuple[Model, Model], client: openai.OpenAI) -> None:
+    """Penalties and logit_bias through the openai client: the speculating server's text
+    is plain decoding's with the same parameters, and they change the text."""
+    target, _ = models
+    assert target.tokenizer is not None
+    prompt = "copy this list: red, green, red, green"
+    ids = target.tokenizer.encode(prompt)
+    kw = dict(frequency_penalty=1.2, presence_penalty=0.4, logit_bias=((5, 4.0),))
+    plain = Engine(target).generate(
+        ids,
+        SamplingParams(max_tokens=16, ignore_eos=True, **kw),  # type: ignore[arg-type]
+    )
+    res = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        frequency_penalty=1.2,
+        presence_penalty=0.4,
+        logit_bias={"5": 4.0},
+        extra_body={"ignore_eos": True},
+    )
+    assert res.choices[0].text == plain.text
+    free = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert free.choices[0].text != plain.text
 
 
 def test_chat_logprobs_and_stop_token_ids(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,10 @@ class SamplingError(ValueError):
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,13 @@ class SamplingParams:
     logprobs: None, or report each new token's log-probability with this many most
         likely alternatives (0..20), from the target's processed distribution (see
         `token_logprobs`): the same numbers whatever proposes the drafts.
+    frequency_penalty, presence_penalty: subtracted from a token's logit per time it
+        occurs in the output so far / once if it occurs (OpenAI's meaning, -2..2).
+    repetition_penalty: a token seen in the prompt or output has its logit divided by
+        this when positive, multiplied when negative (1 is off; > 0).
+    logit_bias: {token id: bias} added to the logits (-100..100).
+    See `penalize`: they apply to every row of a verify pass with the drafts before it
+    counted as output, and to the draft model's q alike, so speculation stays lossless.
     """
 
     temperature: float = 0.0
@@ -65,6 +77,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # or a dict
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -96,10 +112,71 @@ class SamplingParams:
             raise SamplingError(
                 f"logprobs={lp!r} is out of range: use an integer 0..{MAX_LOGPROBS} or None"
             )
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise SamplingError(f"{name}={v!r} is out of range: use a number in [-2, 2]")
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0 < r < math.inf:
+            raise SamplingError(f"repetition_penalty={r!r} is out of range: use a number > 0")
+        bias = self.logit_bias
+        pairs = tuple(sorted(bias.items() if isinstance(bias, dict) else bias))
+        for token, value in pairs:
+            if not _is_int(token) or token < 0:
+                raise SamplingError(f"logit_bias: key {token!r} is not a token id (integer >= 0)")
+            if not _is_number(value) or not -100.0 <= value <= 100.0:
+                raise SamplingError(
+                    f"logit_bias[{token}]={value!r} is out of range: use a number in [-100, 100]"
+                )
+        object.__setattr__(self, "logit_bias", tuple((t, float(v)) for t, v in pairs))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the history (penalties) or are biased."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+
+def penalize(
+    logits: Tensor, params: SamplingParams, histories: Sequence[Sequence[int]], prompt_len: int
+) -> Tensor:
+    """Logits with `params`' bias and penalties applied (the input itself when there are
+    none); comes before temperature, top-k and top-p, for p and q alike.
+
+    logits: [n, vocab]; histories[i]: every token before row i's position, the prompt
+    (its first prompt_len tokens) then the output, drafts before the row included: row j
+    of a verify pass sees the drafts 0..j-1 as output, exactly as plain decoding would
+    have when it reached that position. Ids beyond the row's vocabulary are ignored."""
+    if not params.penalized:
+        return logits
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in params.logit_bias if t < vocab])
+        out[:, ids] += bias
+    freq, pres, rep = params.frequency_penalty, params.presence_penalty, params.repetition_penalty
+    for row, history in zip(out, histories, strict=True):
+        if rep != 1.0:
+            seen = torch.tensor(history, dtype=torch.long).unique()
+            seen = seen[seen < vocab]
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / rep, values * rep)
+        if (freq or pres) and len(history) > prompt_len:
+            ids, counts = torch.tensor(history[prompt_len:], dtype=torch.long).unique(
+                return_counts=True
+            )
+            keep = ids < vocab
+            row[ids[keep]] -= freq * counts[keep].float() + pres
+    return out
 
 
 def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:

@@ -42,6 +42,7 @@ from speculant.sampling import (
     TokenLogprob,
     coupling,
     make_generator,
+    penalize,
     process_logits,
     token_logprobs,
 )
@@ -179,6 +180,7 @@ class SequenceState:
     ) -> None:
         self.request_id = request_id
         self.params = params
+        self.prompt_len = len(prompt)
         self.lane = lane
         self.t0 = time.perf_counter()
         self.stats = GenerationStats(prompt_tokens=len(prompt))
@@ -304,7 +306,10 @@ class Scheduler:
         verdicts: list[Verdict | TreeVerdict] = []
         emitted_rows: list[list[int]] = []  # the logits row of each token a verdict emits
         for i, (seq, logits, seg) in enumerate(zip(seqs, all_logits, segments, strict=True)):
-            # Greedy verification needs only each row's argmax: the raw logits serve.
+            if seq.params.penalized:  # each row sees the drafts before it as output
+                logits = penalize(logits, seq.params, _row_histories(seq), seq.prompt_len)
+                all_logits[i] = logits  # logprobs come from the same rows
+            # Greedy verification needs only each row's argmax: the logits serve.
             p_target = logits if seq.params.greedy else process_logits(logits, seq.params)
             q = seq.draft.q_probs
             if seq.draft.parents is None:
@@ -429,6 +434,18 @@ def _propose_all(seqs: list[SequenceState]) -> None:
                 continue
             q = draft.q_probs[: seq.k] if draft.q_probs is not None else None
             seq.draft = Draft(draft.token_ids[: seq.k], q)
+
+
+def _row_histories(seq: SequenceState) -> list[list[int]]:
+    """The tokens before each row of the sequence's verify segment: its committed tokens,
+    then the drafts on the row's path (a chain's drafts before it, a tree node's
+    ancestors)."""
+    drafts, parents = seq.draft.token_ids, seq.draft.parents
+    rows = [list(seq.tokens)]
+    for j, token in enumerate(drafts):
+        before = rows[j] if parents is None else rows[parents[j] + 1]
+        rows.append([*before, token])
+    return rows
 
 
 def _needs_features(lane: Lane) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from speculant.cache import KVCache
 from speculant.proposers.base import Draft, register
-from speculant.sampling import SamplingParams, draw, process_logits
+from speculant.sampling import SamplingParams, draw, penalize, process_logits
 
 if TYPE_CHECKING:
     from speculant.models.model import Model
@@ -64,12 +64,14 @@ class DraftModelProposer:
         self._cache: KVCache | None = None
         self._cached_ids: list[int] = []  # ids whose keys/values are in the cache, in order
         self._committed = 0  # leading cached ids known to be committed (never rolled back)
+        self._prompt_len = 0  # output starts here (frequency and presence penalties)
 
     def begin(self, prompt_ids: Sequence[int], capacity: int) -> None:
         # Room for the context plus the drafts fed after it.
         self._cache = self.model.new_cache(capacity + 16)
         self._cached_ids = []
         self._committed = 0
+        self._prompt_len = len(prompt_ids)
 
     def end(self, tokens: Sequence[int] = ()) -> None:
         self._cache = None
@@ -134,7 +136,10 @@ class DraftModelProposer:
             active = [j for j, k in enumerate(ks) if i < k]
             feed = []
             for j in active:
-                q = process_logits(last[j][None], params[j])  # [1, vocab_q]
+                # the target's penalties too (each draft counted as output): q closer to p
+                history = [[*contexts[j], *ids[j]]] if params[j].penalized else []
+                logits = penalize(last[j][None], params[j], history, proposers[j]._prompt_len)
+                q = process_logits(logits, params[j])  # [1, vocab_q]
                 token = draw(q, params[j], generators[j], len(contexts[j]) + i)
                 ids[j].append(token)
                 rows[j].append(q[0])

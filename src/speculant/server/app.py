@@ -181,6 +181,15 @@ async def _serve(
             sampling_params(req, len(prompt_ids), engine.max_model_len)  # the OpenAI error
         raise APIError(str(exc), param="prompt") from None
     params = sampling_params(req, len(prompt_ids), engine.max_model_len)
+    for name, ids in (
+        ("logit_bias", [t for t, _ in req.logit_bias]),
+        ("stop_token_ids", list(req.stop_token_ids)),
+    ):
+        try:
+            engine.check_prompt(ids or [0])
+        except RequestError as exc:
+            message = str(exc).replace("prompt token id", "token id")
+            raise APIError(f"{name}: {message}", param=name, code="invalid_value") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     scored = req.logprobs if req.echo else None
     outputs = engine.generate(prompt_ids, params, arrival, prompt_logprobs=scored)

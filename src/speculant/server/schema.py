@@ -103,10 +103,17 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
-    frequency_penalty: Penalty | None = Field(None, description="not supported yet: only 0")
-    presence_penalty: Penalty | None = Field(None, description="not supported yet: only 0")
-    logit_bias: dict[str, float] | None = Field(
-        None, description="not supported yet: only an empty map"
+    frequency_penalty: Penalty | None = Field(
+        None, description="subtracted from a token's logit per time it occurs in the output"
+    )
+    presence_penalty: Penalty | None = Field(
+        None, description="subtracted from the logit of every token the output holds"
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, description="divides the positive logits of prompt and output tokens"
+    )
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit"
     )
     user: str | None = Field(None, description="an end-user id; not used")
 
@@ -140,7 +147,6 @@ UNSUPPORTED = {
     "audio": "only text output is supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
-    "repetition_penalty": "repetition_penalty is not supported yet",
     "name": "participant names are not supported",
     "tool_calls": "tool calling is not supported",
 }
@@ -199,8 +205,9 @@ def validation_error(errors: Sequence[Any], body: Any) -> APIError:
             fields = _fields_at(where, body)
             why = f"unknown parameter; this server accepts: {', '.join(fields)}"
         return APIError(f"{param}: {why}", param=param, code="unsupported_parameter")
-    # Union members add their own names to the path ('str', 'list[int]', ...): drop them.
-    path = [p for p in loc if isinstance(p, int) or p in _FIELDS]
+    # Union members add their own names to the path ('str', 'list[int]', ...): drop them
+    # (keeping field names, list indices and logit_bias's token-id keys).
+    path = [p for p in loc if isinstance(p, int) or p in _FIELDS or str(p).isdigit()]
     if not path:
         return APIError(f"the request body must be a JSON object, got {_type_name(body)}")
     param = _param(path)
@@ -253,6 +260,10 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None = None  # alternatives per token, None when not asked for
     echo: bool = False  # completions: the prompt (and its logprobs) before the text
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -262,12 +273,11 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
 def _common(req: _Sampling) -> dict[str, Any]:
     if req.n is not None and req.n != 1:
         raise _bad("n", f"n={req.n} is not supported: send n requests", "unsupported_value")
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(req, name)
-        if value:
-            raise _bad(name, f"{value:g} is not supported yet: only 0", "unsupported_value")
-    if req.logit_bias:
-        raise _bad("logit_bias", "not supported yet: send an empty map", "unsupported_value")
+    bias = []
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit():
+            raise _bad("logit_bias", f'key {key!r} is not a token id: use ids like "50256"')
+        bias.append((int(key), value))
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_STOP:
         raise _bad("stop", f"{len(stop)} stop strings: use at most {MAX_STOP}")
@@ -287,6 +297,10 @@ def _common(req: _Sampling) -> dict[str, Any]:
         ignore_eos=bool(req.ignore_eos),
         stream=stream,
         include_usage=req.stream_options is not None and req.stream_options.include_usage,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=tuple(bias),
     )
 
 
@@ -363,6 +377,10 @@ def sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: int) -> 
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
         logprobs=req.logprobs,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias,
     )
 
 
