@@ -131,12 +131,12 @@ def test_cli_bad_input_is_one_clear_line(capsys) -> None:  # type: ignore[no-unt
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 def test_converted_weight_cache_roundtrip(dtype: str) -> None:
-    from speculant.models import registry, weight_cache
+    from speculant.models import integrity, weight_cache
 
     path = real_model_path("smollm2-135m-instruct")
     first = load_model(path, dtype=dtype, progress=False)  # writes the cache if absent
     assert weight_cache.cache_path(path, dtype).is_file()
-    again = weight_cache.load(path, dtype, registry.file_sha256(path, progress=False))
+    again = weight_cache.load(path, dtype, integrity.file_sha256(path, progress=False))
     assert again is not None
     config, weights = again
     assert config == first.config
@@ -152,18 +152,18 @@ def test_converted_weight_cache_roundtrip(dtype: str) -> None:
 def test_flipped_byte_is_refused(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import shutil
 
-    from speculant.models import registry
+    from speculant.models import integrity, registry
 
     src = real_model_path("smollm2-135m-instruct")
     monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
     dest = registry.model_path("smollm2-135m-instruct")
     dest.parent.mkdir(parents=True)
     shutil.copyfile(src, dest)
-    assert registry.check_integrity(dest, progress=False) is True  # the intact copy passes
+    assert integrity.check_integrity(dest, progress=False) is True  # the intact copy passes
     data = bytearray(dest.read_bytes())
     data[-100] ^= 0x01
     dest.write_bytes(bytes(data))
-    with pytest.raises(registry.IntegrityError, match="fails its integrity check") as err:
+    with pytest.raises(integrity.IntegrityError, match="fails its integrity check") as err:
         load_model("smollm2-135m-instruct", progress=False)
     assert registry.KNOWN_MODELS["smollm2-135m-instruct"].sha256 in str(err.value)
     assert str(dest) in str(err.value)
@@ -172,12 +172,12 @@ def test_flipped_byte_is_refused(tmp_path, monkeypatch) -> None:  # type: ignore
     loose = tmp_path / "elsewhere" / "model.gguf"
     loose.parent.mkdir()
     shutil.copyfile(dest, loose)
-    assert registry.check_integrity(loose, progress=False) is False
+    assert integrity.check_integrity(loose, progress=False) is False
     # A manifest beside a loose file vouches for it, and is checked.
     (loose.parent / "manifest.json").write_text(
         json.dumps({"file": "model.gguf", "sha256": "0" * 64})
     )
-    with pytest.raises(registry.IntegrityError, match="manifest.json"):
+    with pytest.raises(integrity.IntegrityError, match="manifest.json"):
         load_model(loose, progress=False)
 
 

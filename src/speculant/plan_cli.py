@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from speculant.plan import DEVICES, DTYPES, GiB, Plan, PlanError, device_budget, make_plan
@@ -17,26 +19,6 @@ examples:
       --context 32768 --batch 8 --target-dtype int8 --draft-dtype int4 --device RTX-4090
   speculant plan --target path/to/config.json --memory 24GiB   # any HF config.json
   speculant plan --target smollm2-135m-instruct --context 2048 --measure   # check by running
-"""
-
-MEASURE_SCRIPT = r"""
-import json, re, sys, torch
-from pathlib import Path
-from speculant import Engine, SamplingParams, load_model
-def field(name):
-    m = re.search(rf"{name}:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    return int(m.group(1)) * 1024
-a = json.loads(sys.argv[1])
-runtime = field("VmRSS")
-target = load_model(a["target"], dtype=a["target_dtype"], progress=False)
-draft = load_model(a["draft"], dtype=a["draft_dtype"], progress=False) if a["draft"] else None
-engine = Engine(target, draft=draft, num_speculative_tokens=a["k"] if draft else 0,
-                max_seq_len=a["context"])
-Path("/proc/self/clear_refs").write_text("5")
-n_new = min(32, a["context"] // 4)
-prompt = [(7 * i + 11) % target.vocab_size for i in range(a["context"] - n_new - 1)]
-engine.generate(prompt, SamplingParams(max_tokens=n_new, ignore_eos=True))
-print(json.dumps({"runtime": runtime, "peak": field("VmHWM")}))
 """
 
 
@@ -113,8 +95,9 @@ def measure(args: argparse.Namespace) -> dict[str, int]:
         "context": args.context,
         "k": args.k,
     }
+    # A fresh process, so that its memory before and after loading is the pair's alone.
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE_SCRIPT, json.dumps(spec)],
+        [sys.executable, "-m", "speculant.plan_cli", json.dumps(spec)],
         capture_output=True,
         text=True,
         check=False,
@@ -123,6 +106,38 @@ def measure(args: argparse.Namespace) -> dict[str, int]:
         raise PlanError(f"measuring failed: {out.stderr.strip().splitlines()[-1:]}")
     result: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+def _status_bytes(name: str) -> int:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in bytes."""
+    m = re.search(rf"{name}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    assert m is not None, name
+    return int(m.group(1)) * 1024
+
+
+def measure_here(spec: dict[str, Any]) -> dict[str, int]:
+    """Run `measure`'s request in this process: {"runtime": resident bytes before loading
+    the models, "peak": peak resident bytes after one request at the context length}."""
+    from speculant import Engine, SamplingParams, load_model
+
+    runtime = _status_bytes("VmRSS")
+    target = load_model(spec["target"], dtype=spec["target_dtype"], progress=False)
+    draft = (
+        load_model(spec["draft"], dtype=spec["draft_dtype"], progress=False)
+        if spec["draft"]
+        else None
+    )
+    engine = Engine(
+        target,
+        draft=draft,
+        num_speculative_tokens=spec["k"] if draft else 0,
+        max_seq_len=spec["context"],
+    )
+    Path("/proc/self/clear_refs").write_text("5")
+    n_new = min(32, spec["context"] // 4)
+    prompt = [(7 * i + 11) % target.vocab_size for i in range(spec["context"] - n_new - 1)]
+    engine.generate(prompt, SamplingParams(max_tokens=n_new, ignore_eos=True))
+    return {"runtime": runtime, "peak": _status_bytes("VmHWM")}
 
 
 def _gib(n: int) -> str:
@@ -211,3 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.memory or args.device:
         return 0 if fits[0]["fits"] else 1
     return 0
+
+
+if __name__ == "__main__":  # the process `measure` starts
+    print(json.dumps(measure_here(json.loads(sys.argv[1]))))

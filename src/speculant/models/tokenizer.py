@@ -1,17 +1,14 @@
 """Tokenizer for the speculant inference engine.
 
 The decoder is our own; this module only turns text into token ids and back, and renders chat
-templates. Two sources are supported:
+templates (`chat_template`). Two sources are supported:
 
 * GGUF files: the tokenizer lives in the ``tokenizer.ggml.*`` metadata and
   ``tokenizer.chat_template``. The first load converts it with transformers' own GGUF tokenizer
   conversion (metadata only, tensors are never read), so ids match
   ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` exactly. The result is cached next to
-  the GGUF file in ``<stem>.tokenizer/`` (a ``tokenizer.json`` plus a small json with the special
-  ids and the chat template), keyed by the file's size and mtime; later loads only need the
-  ``tokenizers`` library and take a fraction of a second. Each cache file has a digest record
-  (``<file>.source.json``) binding its SHA-256 to the GGUF's; a file that differs from its
-  record, or was built from another GGUF, is reported and rebuilt, never read.
+  the GGUF file (`tokenizer_cache`); later loads only need the ``tokenizers`` library and take a
+  fraction of a second.
 * Hugging Face model directories (``tokenizer.json``, ``tokenizer_config.json``, ...), loaded
   through ``AutoTokenizer`` when transformers is installed, else straight from ``tokenizer.json``.
 
@@ -28,23 +25,18 @@ import os
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
-from speculant.models import derived
+from speculant.models import chat_template as templates
+from speculant.models import tokenizer_cache
+from speculant.models.integrity import file_sha256
 
 __all__ = ["StreamDecoder", "Tokenizer", "TokenizerError"]
 
 logger = logging.getLogger(__name__)
-
-# Bump when the cache layout or the way it is built changes.
-_CACHE_FORMAT = 2
-_CACHE_TOKENIZER_FILE = "tokenizer.json"
-_CACHE_META_FILE = "speculant_tokenizer.json"
 
 # Tokens that end a turn/generation in common chat formats. llama.cpp treats the same set as
 # end-of-generation when the vocabulary has them as control tokens; we add them when they are
@@ -84,8 +76,6 @@ _HF_TOKENIZER_FILES = (
     "vocab.json",
     "vocab.txt",
 )
-
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class TokenizerError(RuntimeError):
@@ -235,23 +225,19 @@ class Tokenizer:
         if chat_template is None:
             with self._template_lock:
                 if self._compiled_template is None:
-                    self._compiled_template = _compile_template(template)
+                    self._compiled_template = templates.compile_template(template)
                 compiled = self._compiled_template
         else:
-            compiled = _compile_template(template)
-        chat = _alias_reasoning_fields(
-            [{k: _plain(v) for k, v in m.items() if v is not None} for m in _plain(list(messages))]
-        )
-        variables: dict[str, Any] = dict(self.special_tokens_map)
-        variables.update(_plain(kwargs))
-        rendered: str = compiled.render(
-            messages=chat,
-            tools=_plain(tools),
-            documents=_plain(documents),
+            compiled = templates.compile_template(template)
+        return templates.render(
+            compiled,
+            messages,
+            special_tokens_map=self.special_tokens_map,
             add_generation_prompt=add_generation_prompt,
-            **variables,
+            tools=tools,
+            documents=documents,
+            variables=kwargs,
         )
-        return rendered
 
     # ----------------------------------------------------------------- loaders
 
@@ -273,17 +259,16 @@ class Tokenizer:
             backend_json, meta = _convert_gguf(path)
             return _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
         if source_sha256 is None:
-            from speculant.models.registry import file_sha256
-
             source_sha256 = file_sha256(path, progress=False)
-        cache_dir = path.with_name(path.stem + ".tokenizer")
-        key = _cache_key(st)
-        cached = _load_cache(cache_dir, key, path, source_sha256)
+        cache_dir = tokenizer_cache.cache_dir(path)
+        key = tokenizer_cache.cache_key(st)
+        cached = tokenizer_cache.load(cache_dir, key, path, source_sha256)
         if cached is not None:
-            return cached
+            return _from_meta(*cached, source=str(path))
         backend_json, meta = _convert_gguf(path)
         tok = _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
-        _write_cache(cache_dir, key, backend_json, meta, tok, path, source_sha256)
+        full_meta = {**meta, "vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint()}
+        tokenizer_cache.write(cache_dir, key, backend_json, full_meta, path, source_sha256)
         return tok
 
     @classmethod
@@ -395,135 +380,6 @@ def _clean_up_tokenization(text: str) -> str:
     )
 
 
-def _plain(value: Any) -> Any:
-    """Rebuild template inputs from plain JSON types (as transformers does for the sandbox)."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return f"<{type(value).__name__}>"
-
-
-def _alias_reasoning_fields(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for message in chat:
-        reasoning = next(
-            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
-        )
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        out.append(message)
-    return out
-
-
-def _compile_template(template: str) -> Any:
-    """Compile a chat template in a sandboxed jinja2 env configured like transformers'."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    import jinja2.utils
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class _GenerationTag(jinja2.ext.Extension):
-        # `{% generation %}...{% endgeneration %}` marks assistant text; we only render it.
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            call = self.call_method("_render", [], [])
-            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-        def _render(self, caller: Any) -> str:
-            return str(caller())
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    class _TemplateDict:
-        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict.fromkeys(*args, **kwargs)
-
-    class _Namespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 (jinja's signature trick)
-            self, rest = args[0], args[1:]
-            attrs = dict(*rest, **kwargs)
-            for name in attrs:
-                _Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            _Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot set underscore attributes on a namespace: {name!r}"
-                )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _Namespace
-    return env.from_string(template)
-
-
-def _pick_template(value: Any, tools: bool = False) -> str | None:
-    """A template string from a ``chat_template`` config value (str or list of named ones)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, Mapping):
-        named = {str(k): str(v) for k, v in value.items()}
-    elif isinstance(value, list):
-        named = {
-            str(t.get("name")): str(t.get("template"))
-            for t in value
-            if isinstance(t, Mapping) and "template" in t
-        }
-    else:
-        return None
-    if tools and "tool_use" in named:
-        return named["tool_use"]
-    if "default" in named:
-        return named["default"]
-    return next(iter(named.values()), None)
-
-
 def _token_content(value: Any) -> str | None:
     if value is None:
         return None
@@ -600,12 +456,12 @@ def _hf_dir_without_transformers(path: Path, extra_eos: Sequence[int]) -> Tokeni
         tok = _token_content(cfg.get(attr))
         if tok is not None:
             special[attr] = tok
-    template = _pick_template(cfg.get("chat_template"))
+    template = templates.pick_template(cfg.get("chat_template"))
     if template is None and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text(encoding="utf-8")
     if template is None:
         tj_cfg = _read_json(path / "chat_template.json") or {}
-        template = _pick_template(tj_cfg.get("chat_template"))
+        template = templates.pick_template(tj_cfg.get("chat_template"))
     meta = {
         "special_tokens_map": special,
         "eos_token_ids": sorted(set(extra_eos) | set(_end_of_turn_ids(backend))),
@@ -656,7 +512,7 @@ def _meta_from_hf_tokenizer(hf_tok: Any, extra_eos: Sequence[int]) -> tuple[str,
         )
     template = hf_tok.chat_template
     if not isinstance(template, str):
-        template = _pick_template(template)
+        template = templates.pick_template(template)
     eos = list(extra_eos) + list(_end_of_turn_ids(backend))
     if hf_tok.eos_token_id is not None:
         eos.append(int(hf_tok.eos_token_id))
@@ -700,96 +556,6 @@ def _convert_gguf(path: Path) -> tuple[str, dict[str, Any]]:
     if meta["chat_template"] is None and isinstance(md.get("tokenizer.chat_template"), str):
         meta["chat_template"] = md["tokenizer.chat_template"]
     return backend_json, meta
-
-
-# --------------------------------------------------------------------- cache
-
-
-def _cache_key(st: os.stat_result) -> dict[str, Any]:
-    try:
-        tf_version = importlib_metadata.version("transformers")
-    except importlib_metadata.PackageNotFoundError:
-        tf_version = None
-    return {
-        "format": _CACHE_FORMAT,
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
-        "transformers": tf_version,
-    }
-
-
-def _read_verified(path: Path, source: Path, source_sha256: str) -> bytes | None:
-    """The bytes of a cache file when they match its digest record bound to source_sha256;
-    None (after one warning line naming the file and both digests) when they do not."""
-    if not path.is_file():
-        return None
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        logger.warning("ignoring unreadable tokenizer cache %s: %s", path, e)
-        return None
-    why = derived.problem(path, source_sha256, data=data)
-    if why is not None:
-        logger.warning("tokenizer cache not used: %s; rebuilding it from %s", why, source.name)
-        return None
-    return data
-
-
-def _load_cache(
-    cache_dir: Path, key: Mapping[str, Any], source: Path, source_sha256: str
-) -> Tokenizer | None:
-    # Both files are hashed from the bytes that are then parsed: nothing unchecked is read.
-    meta_bytes = _read_verified(cache_dir / _CACHE_META_FILE, source, source_sha256)
-    if meta_bytes is None:
-        return None
-    try:
-        meta = json.loads(meta_bytes.decode("utf-8"))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or meta.get("key") != dict(key):
-        return None
-    data = _read_verified(cache_dir / _CACHE_TOKENIZER_FILE, source, source_sha256)
-    if data is None:
-        return None
-    try:
-        if hashlib.sha256(data).hexdigest() != meta.get("tokenizer_sha256"):
-            return None
-        backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as e:  # corrupt cache: rebuild
-        logger.warning("ignoring unreadable tokenizer cache %s: %s", cache_dir, e)
-        return None
-    return _from_meta(backend, meta, source=str(source))
-
-
-def _write_cache(
-    cache_dir: Path,
-    key: Mapping[str, Any],
-    backend_json: str,
-    meta: Mapping[str, Any],
-    tok: Tokenizer | None,
-    source: Path,
-    source_sha256: str,
-) -> None:
-    data = backend_json.encode("utf-8")
-    full_meta = dict(meta)
-    if tok is not None:
-        full_meta["vocab_size"] = tok.vocab_size
-        full_meta["fingerprint"] = tok.fingerprint()
-    full_meta["key"] = dict(key)
-    full_meta["tokenizer_sha256"] = hashlib.sha256(data).hexdigest()
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        # Each file, then its digest record (bound to the GGUF's digest); tokenizer.json
-        # before the meta that vouches for it (by hash): a reader never accepts a
-        # half-written or mismatched pair.
-        for name, blob in (
-            (_CACHE_TOKENIZER_FILE, data),
-            (_CACHE_META_FILE, json.dumps(full_meta, ensure_ascii=False, indent=1).encode()),
-        ):
-            derived.atomic_write(cache_dir / name, blob)
-            derived.write_record(cache_dir / name, source, source_sha256, data=blob)
-    except OSError as e:
-        logger.warning("could not write tokenizer cache %s: %s", cache_dir, e)
 
 
 # ----------------------------------------------------------- GGUF metadata
