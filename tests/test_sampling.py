@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -59,3 +61,18 @@ def test_out_of_range_values_are_named(kwargs: dict, match: str) -> None:  # typ
 
 def test_stop_accepts_a_single_string() -> None:
     assert SamplingParams(stop="\n\n").stop == ("\n\n",)  # type: ignore[arg-type]
+
+
+def test_a_vanishing_temperature_is_greedy() -> None:
+    """Dividing logits by 1e-194 overflows them to inf (NaN probabilities, NaN logprobs):
+    temperatures below 1e-5 are greedy, as 0 is (found by the server's fuzzing)."""
+    from speculant.sampling import token_logprobs
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5]])
+    for t in (0.0, 1e-194, 9e-6):
+        params = SamplingParams(temperature=t)
+        assert params.greedy
+        assert process_logits(logits, params).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+        (lp,) = token_logprobs(logits, [1], params, 2)
+        assert math.isfinite(lp.logprob) and lp.top[0][0] == 1
+    assert not SamplingParams(temperature=1e-5).greedy

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's limit)
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as in vLLM)
 
 
 class SamplingError(ValueError):
@@ -44,7 +45,8 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     """How to pick tokens. Validated once, here, at construction.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 means greedy (argmax), and so does anything below 1e-5; otherwise
+        logits are divided by it.
     top_k: keep the k most probable tokens; 0 disables.
     top_p: keep the smallest set of most probable tokens whose cumulative probability
         reaches top_p (HF / vLLM convention); 1.0 disables.
@@ -132,7 +134,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that dividing by it overflows the logits."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

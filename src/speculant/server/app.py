@@ -337,7 +337,7 @@ class _Reply:
 
 
 def _floor(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN) -> the floor
 
 
 def _error_of(out: RequestOutput) -> APIError:
