@@ -203,6 +203,42 @@ def test_penalties_and_bias_stay_lossless(tiny_root, method: str) -> None:  # ty
     assert [r.token_ids for r in _run_batched(engine, sampled)] == plain, method
 
 
+@pytest.mark.parametrize("method", available_methods())
+def test_choices_share_the_prefill(tiny_root, monkeypatch, method: str) -> None:  # type: ignore[no-untyped-def]
+    """n > 1: the later choices copy the first one's prompt cache instead of prefilling,
+    and choice i is exactly the request with seed + i (greedy choices are all alike)."""
+    engine = _engine(tiny_root, method, 3)
+    prompt, n = PROMPTS[2], 12
+    seeded = [
+        SamplingParams(temperature=0.9, top_k=20, max_tokens=n, seed=7 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    alone = [engine.generate(prompt, p).token_ids for p in seeded]
+    assert len({tuple(ids) for ids in alone}) > 1  # the choices differ
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True)] * 2
+    expected = [*alone, *[plain_greedy(engine.target, prompt, n)] * 2]
+    prefills = []
+    real = engine.target.prefill
+    monkeypatch.setattr(
+        engine.target, "prefill", lambda *a, **kw: prefills.append(1) or real(*a, **kw)
+    )
+    sched = engine.scheduler()
+    for group, params in (("s", seeded), ("g", greedy)):
+        first = sched.add((group, 0), prompt, params[0])
+        for i, p in enumerate(params[1:], 1):
+            sched.add((group, i), prompt, p, share_prefill_with=first)
+    assert len(prefills) == 2  # one per group
+    with pytest.raises(ValueError, match="same prompt"):
+        sched.add(("x", 0), PROMPTS[0], greedy[0], share_prefill_with=first)
+    results = {}
+    while sched.running:
+        for event in sched.step():
+            if event.result is not None:
+                results[event.seq.request_id] = event.result.token_ids
+    got = [results[("s", i)] for i in range(3)] + [results[("g", i)] for i in range(2)]
+    assert got == expected, method
+
+
 def test_stop_token_ids_end_the_text(tiny_root) -> None:  # type: ignore[no-untyped-def]
     engine = _engine(tiny_root, "draft", 3)
     free = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))

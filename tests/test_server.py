@@ -199,7 +199,8 @@ BAD = [
     ("completions", {"prompt": "hi", "max_tokens": CONTEXT + 1}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("completions", {"prompt": "hi " * 400}, 400, "prompt"),
-    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 17}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "seed": -3}, 400, "seed"),
     ("completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
@@ -442,6 +443,40 @@ def test_penalties_and_logit_bias(models: tuple[Model, Model], client: openai.Op
         model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
     )
     assert free.choices[0].text != plain.text
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    """n > 1: choice i is the single request with seed + i (they share one prefill),
+    streamed choices interleave by index and add up to the whole answer, and usage
+    counts every choice's tokens."""
+    kw = dict(model=MODEL, prompt="red green", max_tokens=12, temperature=0.9, top_p=0.9)
+    extra = {"extra_body": {"ignore_eos": True}}
+    many = client.completions.create(**kw, n=3, seed=7, **extra)  # type: ignore[call-overload]
+    singles = [
+        client.completions.create(**kw, seed=7 + i, **extra).choices[0].text  # type: ignore[call-overload]
+        for i in range(3)
+    ]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == singles
+    assert len(set(singles)) > 1
+    assert many.usage is not None and many.usage.completion_tokens == 36
+    stream = client.completions.create(**kw, n=3, seed=7, stream=True, **extra)  # type: ignore[call-overload]
+    texts = ["", "", ""]
+    finishes = [None, None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == singles and finishes == ["length"] * 3
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        n=2,
+    )
+    assert len(chat.choices) == 2
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
 
 
 def test_chat_logprobs_and_stop_token_ids(

@@ -94,6 +94,20 @@ class KVCache:
             self.v[layer, :, :, dst] = v[:, :, idx]
         self.length = start + len(nodes)
 
+    def copy_from(self, other: KVCache) -> None:
+        """Take `other`'s positions [0, other.length) (a prompt prefilled once, shared by
+        several sequences); the two caches stay independent afterwards."""
+        if self.k.shape[:3] != other.k.shape[:3] or self.k.shape[4] != other.k.shape[4]:
+            raise ValueError(
+                f"cache shapes differ: {tuple(self.k.shape)} vs {tuple(other.k.shape)}"
+            )
+        if other.length > self.capacity:
+            raise ValueError(f"{other.length} positions do not fit a capacity of {self.capacity}")
+        n = other.length
+        self.k[:, :, :, :n] = other.k[:, :, :, :n]
+        self.v[:, :, :, :n] = other.v[:, :, :, :n]
+        self.length = n
+
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

@@ -197,6 +197,7 @@ class SequenceState:
         self.finish: str | None = None
         self.draft = Draft([])
         self.k = 0
+        self.prompt_hidden: torch.Tensor | None = None  # the prompt's features, for EAGLE
 
     def coupled(self) -> Coupled | None:
         """The coupled rule for a greedy or seeded request (see sampling.py)."""
@@ -252,16 +253,34 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self._idle: list[Lane] = []
 
-    def add(self, request_id: Any, prompt: list[int], params: SamplingParams) -> SequenceState:
-        """Prefill a new sequence; it takes part from the next step on."""
+    def add(
+        self,
+        request_id: Any,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        share_prefill_with: SequenceState | None = None,
+    ) -> SequenceState:
+        """Prefill a new sequence; it takes part from the next step on.
+
+        share_prefill_with: a sequence with the same prompt that has not stepped yet (the
+        first choice of an n > 1 request): its prompt cache is copied, not recomputed."""
+        source = share_prefill_with
+        if source is not None and (source.tokens != prompt or source.output):
+            raise ValueError("share_prefill_with needs a sequence of the same prompt, not started")
         lane = self._idle.pop() if self._idle else self.new_lane()
         seq = SequenceState(request_id, self.target, prompt, params, lane, self.max_seq_len)
         lane.proposer.begin(prompt, seq.capacity)
         try:
-            hidden = self.target.prefill(
-                prompt[:-1], seq.cache, return_hidden=_needs_features(lane)
-            )
-            if hidden is not None:
+            if source is not None:
+                seq.cache.copy_from(source.cache)
+                hidden = source.prompt_hidden
+            else:
+                hidden = self.target.prefill(
+                    prompt[:-1], seq.cache, return_hidden=_needs_features(lane)
+                )
+            if hidden is not None and _needs_features(lane):
+                seq.prompt_hidden = hidden
                 lane.proposer.observe(hidden)  # type: ignore[attr-defined]
         except BaseException:
             lane.proposer.end(prompt)
@@ -288,6 +307,8 @@ class Scheduler:
         if not seqs:
             return []
         behind = [seq.k == 0 for seq in seqs]  # drafted nothing last step (or is new)
+        for seq in seqs:
+            seq.prompt_hidden = None  # sequences share a prefill only before their first step
         _choose_all(seqs)
         t_draft = time.perf_counter()
         _propose_all(seqs)

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from speculant.anomaly import AnomalyVerdict
 from speculant.cadence import Ticker, TokenSplitter, wait_for_slot
 from speculant.sampling import TokenLogprob
-from speculant.scheduler import GenerationResult, RequestError, StreamChunk
+from speculant.scheduler import GenerationResult, GenerationStats, RequestError, StreamChunk
 from speculant.server.async_engine import EngineClient, RequestOutput
 from speculant.server.limits import MAX_BODY_BYTES, BodyLimits
 from speculant.server.schema import (
@@ -192,7 +192,7 @@ async def _serve(
             raise APIError(f"{name}: {message}", param=name, code="invalid_value") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     scored = req.logprobs if req.echo else None
-    outputs = engine.generate(prompt_ids, params, arrival, prompt_logprobs=scored)
+    outputs = engine.generate(prompt_ids, params, arrival, prompt_logprobs=scored, n=req.n)
     echo = _echo_text(engine, req, prompt_ids) if req.echo else ""
     reply = _Reply(engine, req, rid, chat, prompt_ids, echo)
     if req.stream:
@@ -229,11 +229,21 @@ def _tokenize(engine: EngineClient, req: ParsedRequest) -> list[int]:
 def _usage(
     engine: EngineClient,
     prompt_len: int,
-    result: GenerationResult,
+    results: Sequence[GenerationResult],
     anomaly: AnomalyVerdict | None = None,
 ) -> dict[str, Any]:
-    s = result.stats
-    n = len(result.token_ids)
+    """Token counts and speculation figures, summed over the choices."""
+    s = GenerationStats()
+    for r in results:
+        s.target_forwards += r.stats.target_forwards
+        s.num_drafted += r.stats.num_drafted
+        s.num_accepted += r.stats.num_accepted
+        s.num_generated += len(r.token_ids)
+        per = r.stats.accepted_per_position
+        s.accepted_per_position.extend([0] * (len(per) - len(s.accepted_per_position)))
+        for j, a in enumerate(per):
+            s.accepted_per_position[j] += a
+    n = s.num_generated
     return {
         "prompt_tokens": prompt_len,
         "completion_tokens": n,
@@ -278,7 +288,7 @@ class _Reply:
         self.chat = chat
         self.prompt_ids = prompt_ids
         self.echo = echo
-        self.offset = 0  # text_offset of the next completions token
+        self.offsets: dict[int, int] = {}  # per choice: text_offset of its next token
         self._texts: dict[int, str] = {}
 
     def token_text(self, token: int) -> str:
@@ -289,19 +299,28 @@ class _Reply:
         return text
 
     def choice(
-        self, text: str, finish: str | None, delta: bool, first: bool, logprobs: Any = None
+        self,
+        text: str,
+        finish: str | None,
+        delta: bool,
+        first: bool,
+        logprobs: Any = None,
+        index: int = 0,
     ) -> dict[str, Any]:
+        head: dict[str, Any] = {"index": index}
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {**head, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if delta:
             body: dict[str, Any] = {"content": text} if text or not first else {}
             if first:
                 body = {"role": "assistant", "content": text}
-            return {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+            return {**head, "delta": body, "logprobs": logprobs, "finish_reason": finish}
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {**head, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
-    def logprobs(self, entries: Sequence[TokenLogprob | None], prompt: bool = False) -> Any:
+    def logprobs(
+        self, entries: Sequence[TokenLogprob | None], prompt: bool = False, index: int = 0
+    ) -> Any:
         """The OpenAI logprobs object of these tokens (completions' parallel lists, or
         chat's content list); None when the request did not ask for logprobs."""
         if self.req.logprobs is None:
@@ -310,14 +329,13 @@ class _Reply:
             return {"content": [self._chat_entry(e) for e in entries if e is not None]}
         ids = self.prompt_ids if prompt else [e.token for e in entries if e is not None]
         tokens, offsets = [], []
-        if prompt:
-            self.offset = 0
+        offset = 0 if prompt else self.offsets.get(index, 0)
         for token in ids:
             tokens.append(self.token_text(token))
-            offsets.append(self.offset)
-            self.offset += len(tokens[-1])
-        if prompt:
-            self.offset = len(self.echo)  # the completion's text follows the echoed prompt
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        # after the echoed prompt, the completion's text starts where the prompt's ends
+        self.offsets[index] = len(self.echo) if prompt else offset
         return {
             "tokens": tokens,
             "token_logprobs": [None if e is None else _floor(e.logprob) for e in entries],
@@ -350,17 +368,20 @@ async def _whole(
     reply: _Reply, request: Request, outputs: AsyncIterator[RequestOutput]
 ) -> Response:
     prompt_scores: list[TokenLogprob | None] = []
+    results: dict[int, RequestOutput] = {}
 
-    async def collect() -> RequestOutput:
-        last = RequestOutput("", [])
+    async def collect() -> RequestOutput | None:
         async for out in outputs:
+            if out.error is not None:
+                return out
             if out.prompt_logprobs is not None:
                 prompt_scores.extend(out.prompt_logprobs)
-            last = out
-        return last
+            if out.result is not None:
+                results[out.index] = out
+        return None
 
     task = asyncio.ensure_future(collect())
-    # A client that disconnects cancels its sequence instead of using the batch for nothing.
+    # A client that disconnects cancels its sequences instead of using the batch for nothing.
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.25)
         if not done and await request.is_disconnected():
@@ -368,27 +389,33 @@ async def _whole(
             await asyncio.gather(task, return_exceptions=True)
             await outputs.aclose()  # type: ignore[attr-defined]
             return Response(status_code=499)
-    last = task.result()
-    if last.error is not None or last.result is None:
-        raise _error_of(last)
-    result = last.result
-    entries: list[TokenLogprob | None] = [*prompt_scores, *(result.logprobs or [])]
-    if reply.req.echo and reply.req.logprobs is not None:
-        logprobs = reply.logprobs(prompt_scores, prompt=True)
-        more = reply.logprobs(result.logprobs or [])
-        logprobs = {key: logprobs[key] + more[key] for key in logprobs}
-    else:
-        logprobs = reply.logprobs(entries)
-    engine = reply.engine
-    choice = reply.choice(reply.echo + result.text, _finish(result), False, False, logprobs)
+    failed = task.result()
+    if failed is not None or len(results) != reply.req.n:
+        raise _error_of(failed or RequestOutput("", [], error="the request ended early"))
+    req, engine = reply.req, reply.engine
+    choices = []
+    for index in range(req.n):
+        result = results[index].result
+        assert result is not None
+        if req.echo and req.logprobs is not None:
+            logprobs = reply.logprobs(prompt_scores, True, index)
+            more = reply.logprobs(result.logprobs or [], False, index)
+            logprobs = {key: logprobs[key] + more[key] for key in logprobs}
+        else:
+            logprobs = reply.logprobs(result.logprobs or [], False, index)
+        text = reply.echo + result.text
+        choices.append(reply.choice(text, _finish(result), False, False, logprobs, index))
+    finals = [results[i].result for i in range(req.n)]
     return JSONResponse(
         {
             "id": reply.rid,
             "object": "chat.completion" if reply.chat else "text_completion",
             "created": int(time.time()),
             "model": engine.model_name,
-            "choices": [choice],
-            "usage": _usage(engine, len(reply.prompt_ids), result, last.anomaly),
+            "choices": choices,
+            "usage": _usage(
+                engine, len(reply.prompt_ids), [r for r in finals if r], results[0].anomaly
+            ),
         }
     )
 
@@ -401,9 +428,9 @@ async def _sse(
     kind = "chat.completion.chunk" if chat else "text_completion"
     ticker = Ticker(cadence_s) if cadence_s else None
     tok = engine.tokenizer
-    splitter = (
-        TokenSplitter(lambda ids: tok.decode(ids, skip_special_tokens=True)) if ticker else None
-    )
+    splitters = [
+        TokenSplitter(lambda ids: tok.decode(ids, skip_special_tokens=True)) for _ in range(req.n)
+    ]
 
     def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         body: dict[str, Any] = {
@@ -417,39 +444,44 @@ async def _sse(
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
-    first = True
+    first = [not chat] * req.n  # chat's first event per choice carries the role
+    finals: list[GenerationResult] = []
     try:
-        if chat:
-            yield event([reply.choice("", None, delta=True, first=True)])
-            first = False
-        elif req.echo and req.logprobs is None:
-            yield event([reply.choice(reply.echo, None, delta=True, first=True)])
+        for i in range(req.n):
+            if chat:
+                yield event([reply.choice("", None, True, True, index=i)])
+            elif req.echo and req.logprobs is None:
+                yield event([reply.choice(reply.echo, None, True, True, index=i)])
         async for out in outputs:
             if out.error is not None:
                 yield f"data: {json.dumps(_error_of(out).body())}\n\n".encode()
                 break
             if out.prompt_logprobs is not None:  # echo with logprobs: the scored prompt
-                lps = reply.logprobs(out.prompt_logprobs, prompt=True)
-                yield event([reply.choice(reply.echo, None, True, False, lps)])
+                for i in range(req.n):
+                    lps = reply.logprobs(out.prompt_logprobs, True, i)
+                    yield event([reply.choice(reply.echo, None, True, False, lps, i)])
                 continue
+            i = out.index
             result = out.result
             finish = _finish(result) if result is not None else None
             scores = out.logprobs or []
-            if ticker is not None and splitter is not None:
+            if ticker is not None:
                 # One event per token, each at its slot: timing says nothing of acceptance.
-                pieces = splitter.split(StreamChunk(out.token_ids, out.text))
-                for i, piece in enumerate(pieces):
+                pieces = splitters[i].split(StreamChunk(out.token_ids, out.text))
+                for j, piece in enumerate(pieces):
                     await wait_for_slot(ticker)
-                    last = finish if i == len(pieces) - 1 else None
-                    lps = reply.logprobs(scores[i : i + 1]) if i < len(scores) else None
-                    yield event([reply.choice(piece, last, True, first, lps)])
-                    first = False
+                    last = finish if j == len(pieces) - 1 else None
+                    lps = reply.logprobs(scores[j : j + 1], False, i) if j < len(scores) else None
+                    yield event([reply.choice(piece, last, True, first[i], lps, i)])
+                    first[i] = False
             elif out.text or scores or finish is not None:
-                lps = reply.logprobs(scores) if scores else None
-                yield event([reply.choice(out.text, finish, True, first, lps)])
-                first = False
-            if result is not None and req.include_usage:
-                yield event([], _usage(engine, len(reply.prompt_ids), result, out.anomaly))
+                lps = reply.logprobs(scores, False, i) if scores else None
+                yield event([reply.choice(out.text, finish, True, first[i], lps, i)])
+                first[i] = False
+            if result is not None:
+                finals.append(result)
+                if req.include_usage and len(finals) == req.n:
+                    yield event([], _usage(engine, len(reply.prompt_ids), finals, out.anomaly))
         yield b"data: [DONE]\n\n"
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

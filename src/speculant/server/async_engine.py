@@ -9,6 +9,7 @@ tests may give the app anything with the same members.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -40,6 +41,7 @@ class RequestOutput:
     anomaly: AnomalyVerdict | None = None  # with the result: acceptance vs the baseline
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first output, when asked for
+    index: int = 0  # which choice of an n > 1 request
 
 
 class EngineClient(Protocol):
@@ -60,6 +62,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         arrival: float,
         prompt_logprobs: int | None = None,
+        n: int = 1,
     ) -> AsyncIterator[RequestOutput]: ...
 
 
@@ -72,7 +75,9 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput]
     prompt_logprobs: int | None = None  # score the prompt first, with this many alternatives
-    seq: SequenceState | None = None
+    n: int = 1  # choices, decoded as n sequences that share the prompt's prefill
+    seqs: list[SequenceState] = field(default_factory=list)
+    finished: int = 0  # choices done
     cancelled: bool = False
     last_emit: float = 0.0
     first_token: bool = field(default=True)
@@ -147,9 +152,12 @@ class AsyncEngine:
         params: SamplingParams,
         arrival: float,
         prompt_logprobs: int | None = None,
+        n: int = 1,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they are committed; with prompt_logprobs, the first
-        carries the prompt's scores (see speculant.scoring) and no tokens."""
+        carries the prompt's scores (see speculant.scoring) and no tokens. With n > 1,
+        outputs of the n choices interleave (`index`); choice i samples with seed + i
+        when a seed is set, so it is exactly the single request with that seed."""
         req = _Request(
             next(self._ids),
             prompt_ids,
@@ -158,16 +166,19 @@ class AsyncEngine:
             asyncio.get_running_loop(),
             asyncio.Queue(),
             prompt_logprobs,
+            n,
         )
         with self._cv:
             self._waiting.append(req)
             self.metrics.waiting.set(len(self._waiting))
             self._cv.notify_all()
         finished = False
+        results = 0
         try:
             while True:
                 out = await req.queue.get()
-                if out.result is not None or out.error is not None:
+                results += out.result is not None
+                if results == n or out.error is not None:
                     finished = True
                 yield out
                 if finished:
@@ -189,10 +200,15 @@ class AsyncEngine:
                     break
                 cancelled = [r for r in self._active.values() if r.cancelled]
                 admit: list[_Request] = []
-                while self._waiting and len(self._active) + len(admit) < self.max_num_seqs:
+                running = sum(r.n - r.finished for r in self._active.values())
+                while self._waiting and (
+                    running + self._waiting[0].n <= self.max_num_seqs
+                    or not (self._active or admit)  # n > max_num_seqs: runs alone
+                ):
                     req = self._waiting.popleft()
                     if not req.cancelled:
                         admit.append(req)
+                        running += req.n
                 self.metrics.waiting.set(len(self._waiting))
             for req in cancelled:
                 self._cancel(req)
@@ -207,14 +223,15 @@ class AsyncEngine:
             except Exception as exc:  # a failing step must not kill the server
                 log.exception("engine step failed")
                 for req in list(self._active.values()):
-                    if req.seq is not None:
-                        self._sched.cancel(req.seq)
+                    for seq in req.seqs:
+                        self._sched.cancel(seq)
                     self._active.pop(req.id, None)
                     req.send(RequestOutput("", [], error=f"{type(exc).__name__}: {exc}"))
                 continue
             now = time.perf_counter()
             for event in events:
-                owner = self._active.get(event.seq.request_id)
+                rid, index = event.seq.request_id  # (request, choice)
+                owner = self._active.get(rid)
                 if owner is None:
                     continue
                 self._account(owner, event.chunk.token_ids, event.drafted, event.accepted, now)
@@ -224,13 +241,21 @@ class AsyncEngine:
                 chunk = event.chunk
                 owner.send(
                     RequestOutput(
-                        chunk.text, chunk.token_ids, event.result, None, verdict, chunk.logprobs
+                        chunk.text,
+                        chunk.token_ids,
+                        event.result,
+                        None,
+                        verdict,
+                        chunk.logprobs,
+                        index=index,
                     )
                 )
                 if event.result is not None:
-                    self._active.pop(owner.id, None)
                     self.metrics.requests.labels(finished_reason=event.result.finish_reason).inc()
-                    self.metrics.e2e.observe(now - owner.arrival)
+                    owner.finished += 1
+                    if owner.finished == owner.n:
+                        self._active.pop(owner.id, None)
+                        self.metrics.e2e.observe(now - owner.arrival)
             self.metrics.running.set(len(self._active))
         # Shutting down: tell whoever still waits.
         for req in [*self._active.values(), *self._waiting]:
@@ -243,9 +268,17 @@ class AsyncEngine:
                     self.engine.target, req.prompt, req.params, req.prompt_logprobs
                 )
                 req.send(RequestOutput("", [], prompt_logprobs=scores))
-            req.seq = self._sched.add(req.id, req.prompt, req.params)
+            for i in range(req.n):
+                params = req.params
+                if i and params.seed is not None:
+                    params = dataclasses.replace(params, seed=params.seed + i)
+                first = req.seqs[0] if req.seqs else None
+                seq = self._sched.add((req.id, i), req.prompt, params, share_prefill_with=first)
+                req.seqs.append(seq)
         except Exception as exc:
             log.exception("could not start request %s", req.id)
+            for seq in req.seqs:
+                self._sched.cancel(seq)
             req.send(RequestOutput("", [], error=f"{type(exc).__name__}: {exc}"))
             return
         req.last_emit = time.perf_counter()
@@ -270,9 +303,10 @@ class AsyncEngine:
 
     def _cancel(self, req: _Request) -> None:
         self._active.pop(req.id, None)
-        if req.seq is not None:
-            self._sched.cancel(req.seq)
-        self.metrics.requests.labels(finished_reason="cancelled").inc()
+        for seq in req.seqs:
+            if seq.finish is None:
+                self._sched.cancel(seq)
+                self.metrics.requests.labels(finished_reason="cancelled").inc()
 
     def _account(
         self, req: _Request, tokens: list[int], drafted: int, accepted: int, now: float

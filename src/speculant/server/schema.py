@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from speculant.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
+MAX_N = 16  # choices per request
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -94,7 +95,12 @@ class _Sampling(_Body):
     temperature: float | None = Field(None, ge=0.0, description="0 is greedy (default 1)")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 is off")
-    n: int | None = Field(None, ge=1, description="choices per request (only 1 so far)")
+    n: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="choices, sharing the prompt's prefill; choice i uses seed + i",
+    )
     seed: int | None = Field(
         None, ge=0, description="the same seed gives the same text with any method"
     )
@@ -258,6 +264,7 @@ class ParsedRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    n: int = 1  # choices
     logprobs: int | None = None  # alternatives per token, None when not asked for
     echo: bool = False  # completions: the prompt (and its logprobs) before the text
     frequency_penalty: float = 0.0
@@ -271,8 +278,6 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
 
 
 def _common(req: _Sampling) -> dict[str, Any]:
-    if req.n is not None and req.n != 1:
-        raise _bad("n", f"n={req.n} is not supported: send n requests", "unsupported_value")
     bias = []
     for key, value in (req.logit_bias or {}).items():
         if not key.isdigit():
@@ -288,6 +293,7 @@ def _common(req: _Sampling) -> dict[str, Any]:
         raise _bad("stream_options", "only allowed with stream: true")
     return dict(
         model=req.model,
+        n=req.n or 1,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),
