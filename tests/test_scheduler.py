@@ -43,17 +43,21 @@ def _engine(tiny_root, method: str, k: int | str, dtype: str = "float32") -> Eng
 
 
 def _run_batched(
-    engine: Engine, params: list[SamplingParams], stagger: bool = True
+    engine: Engine,
+    params: list[SamplingParams],
+    stagger: bool = True,
+    budget: int | None = None,
 ) -> list[GenerationResult]:
-    """All prompts through one scheduler; with `stagger`, two of them join late."""
-    sched = engine.scheduler()
+    """All prompts through one scheduler; with `stagger`, two of them join late; with a
+    budget, prompts are prefilled in chunks within the steps' passes."""
+    sched = engine.scheduler(budget)
     results: dict[int, GenerationResult] = {}
     late = [3, 4] if stagger else []
     for i, prompt in enumerate(PROMPTS):
         if i not in late:
             sched.add(i, prompt, params[i])
     steps = 0
-    while sched.running or late:
+    while sched.busy or late:
         if steps == 2:
             for i in late:
                 sched.add(i, PROMPTS[i], params[i])
@@ -237,6 +241,66 @@ def test_choices_share_the_prefill(tiny_root, monkeypatch, method: str) -> None:
                 results[event.seq.request_id] = event.result.token_ids
     got = [results[("s", i)] for i in range(3)] + [results[("g", i)] for i in range(2)]
     assert got == expected, method
+    # The same with chunked prefill: the choices wait for the first one's chunks.
+    sched = engine.scheduler(max_num_batched_tokens=4)
+    first = sched.add(("s", 0), prompt, seeded[0])
+    for i, p in enumerate(seeded[1:], 1):
+        sched.add(("s", i), prompt, p, share_prefill_with=first)
+    assert not sched.running and sched.prefilling == [first]
+    results = {}
+    while sched.busy:
+        for event in sched.step():
+            if event.result is not None:
+                results[event.seq.request_id] = event.result.token_ids
+    assert [results[("s", i)] for i in range(3)] == alone, method
+
+
+@pytest.mark.parametrize("method", available_methods())
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_chunked_prefill_changes_no_token(tiny_root, method: str, budget: int) -> None:  # type: ignore[no-untyped-def]
+    """Prompts prefilled in chunks that share the steps' passes (sequences joining late,
+    budgets below and above the decoding rows): greedy and seeded outputs are exactly
+    those of whole-prompt prefill."""
+    engine = _engine(tiny_root, method, 3)
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    batched = _run_batched(engine, greedy, budget=budget)
+    for prompt, n, res in zip(PROMPTS, MAX_TOKENS, batched, strict=True):
+        assert res.token_ids == plain_greedy(engine.target, prompt, n), method
+    seeded = [
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=n, seed=3 + i)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    whole = [r.token_ids for r in _run_batched(engine, seeded)]
+    assert [r.token_ids for r in _run_batched(engine, seeded, budget=budget)] == whole, method
+
+
+def test_a_long_prompt_does_not_stall_running_sequences(tiny_root, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With a budget, every step still gives the running sequence its tokens while a
+    long prompt is prefilled, each pass holds at most the budget (or the decoding rows
+    plus the floor), and the long request starts once its chunks are in."""
+    engine = _engine(tiny_root, "ngram", 3)
+    sched = engine.scheduler(max_num_batched_tokens=12)
+    passes: list[int] = []
+    real = engine.target.net.forward_batch
+    monkeypatch.setattr(
+        engine.target.net,
+        "forward_batch",
+        lambda segs, **kw: passes.append(sum(s.tokens.shape[0] for s in segs)) or real(segs, **kw),
+    )
+    short = sched.add("short", PROMPTS[0], SamplingParams(max_tokens=60, ignore_eos=True))
+    sched.step()
+    long_prompt = [(5 * i + 3) % 90 for i in range(150)]
+    sched.add("long", long_prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    steps_to_start = 0
+    while not any(s.request_id == "long" for s in sched.running):
+        before = len(short.output)
+        sched.step()
+        assert len(short.output) > before  # the running sequence advanced in this step
+        steps_to_start += 1
+    assert steps_to_start >= 149 // 12  # the prompt came in chunks
+    assert max(passes) <= 12 + Scheduler.PREFILL_FLOOR
+    while sched.busy:
+        sched.step()
 
 
 def test_stop_token_ids_end_the_text(tiny_root) -> None:  # type: ignore[no-untyped-def]

@@ -131,15 +131,17 @@ class Engine:
             make_policy(self._k, plain=self.proposer.name == "none", costs=self.costs),
         )
 
-    def scheduler(self, first_lane: bool = True) -> Scheduler:
+    def scheduler(self, max_num_batched_tokens: int | None = None) -> Scheduler:
         """A scheduler over this engine's target; its first lane is the engine's own
-        (so what a proposer or policy learns carries over between requests)."""
-        own = [Lane(self.proposer, self.policy)] if first_lane else []
+        (so what a proposer or policy learns carries over between requests).
+        max_num_batched_tokens: prefill prompts in chunks within this many rows per pass
+        (see Scheduler); None prefills each prompt whole when it joins."""
+        own = [Lane(self.proposer, self.policy)]
 
         def lane() -> Lane:
             return own.pop() if own else self.new_lane()
 
-        return Scheduler(self.target, lane, self.max_seq_len)
+        return Scheduler(self.target, lane, self.max_seq_len, max_num_batched_tokens)
 
     def _run(
         self, prompt: list[int], params: SamplingParams, stream: Stream

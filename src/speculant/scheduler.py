@@ -9,9 +9,11 @@ One step, for the sequences s = 1..B that are running:
     verdict_s = verify_chain(drafts_s, q_s, p_s)          accept / resample / bonus (or coupled)
     cache_s.truncate(len(tokens_s) + accepted_s)          drop the rejected drafts
 
-A sequence that joins is prefilled on its own, then takes part in the next step; one
-that ends (EOS, stop string, max_tokens, context, or cancelled) leaves at once and its
-lane (proposer + speculation-length policy) goes back to the pool for the next request.
+A sequence that joins is prefilled on its own, then takes part in the next step (or,
+with a token budget, its prompt is prefilled in chunks that ride along in the steps'
+verify passes, so a long prompt does not stall the running sequences); one that ends
+(EOS, stop string, max_tokens, context, or cancelled) leaves at once and its lane
+(proposer + speculation-length policy) goes back to the pool for the next request.
 Each segment of the batched pass is padded as it would be alone, so a sequence's tokens
 do not depend on which others share its steps: greedy output is the same at any
 concurrency (tested).
@@ -198,6 +200,13 @@ class SequenceState:
         self.draft = Draft([])
         self.k = 0
         self.prompt_hidden: torch.Tensor | None = None  # the prompt's features, for EAGLE
+        self.prefilled = 0  # prompt positions (of all but the last token) in the cache
+        self.followers: list[SequenceState] = []  # choices waiting to copy this prefill
+        self.retired = False  # left the scheduler; its lane went back to the pool
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= self.prompt_len - 1
 
     def coupled(self) -> Coupled | None:
         """The coupled rule for a greedy or seeded request (see sampling.py)."""
@@ -246,12 +255,36 @@ class Scheduler:
     """Runs many sequences in lock-step; `step()` advances every one of them by one
     verify pass. Not thread-safe: one thread owns it (the server's engine thread)."""
 
-    def __init__(self, target: Model, new_lane: Callable[[], Lane], max_seq_len: int) -> None:
+    PREFILL_FLOOR = 16  # prompt rows a step takes even when decoding fills the budget
+    PREFILL_CHUNK = 256  # most rows of one prompt in one pass
+
+    def __init__(
+        self,
+        target: Model,
+        new_lane: Callable[[], Lane],
+        max_seq_len: int,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        """max_num_batched_tokens: rows per target pass that decoding and prompt chunks
+        share (vLLM's meaning): the running sequences' verify rows come first, and the
+        rest (at least PREFILL_FLOOR) prefills waiting prompts, oldest first, in the same
+        pass. None: a prompt is prefilled whole when it joins."""
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} is out of range: use >= 1"
+            )
         self.target = target
         self.new_lane = new_lane
         self.max_seq_len = max_seq_len
+        self.budget = max_num_batched_tokens
         self.running: list[SequenceState] = []
+        self.prefilling: list[SequenceState] = []  # joined, prompt not yet in the cache
         self._idle: list[Lane] = []
+
+    @property
+    def busy(self) -> bool:
+        """Whether any sequence is decoding or still being prefilled."""
+        return bool(self.running or self.prefilling)
 
     def add(
         self,
@@ -272,22 +305,63 @@ class Scheduler:
         seq = SequenceState(request_id, self.target, prompt, params, lane, self.max_seq_len)
         lane.proposer.begin(prompt, seq.capacity)
         try:
+            if source is not None and not source.prefill_done:
+                source.followers.append(seq)  # starts when the source's prefill is done
+                return seq
             if source is not None:
-                seq.cache.copy_from(source.cache)
-                hidden = source.prompt_hidden
-            else:
+                self._copy_prefill(source, seq)
+            elif self.budget is None or len(prompt) <= 1:
                 hidden = self.target.prefill(
                     prompt[:-1], seq.cache, return_hidden=_needs_features(lane)
                 )
-            if hidden is not None and _needs_features(lane):
-                seq.prompt_hidden = hidden
-                lane.proposer.observe(hidden)  # type: ignore[attr-defined]
+                seq.prefilled = len(prompt) - 1
+                self._observe_prompt(seq, hidden)
+            else:
+                self.prefilling.append(seq)  # chunks ride along in the next steps
+                return seq
         except BaseException:
             lane.proposer.end(prompt)
             self._idle.append(lane)
             raise
         self.running.append(seq)
         return seq
+
+    def _observe_prompt(self, seq: SequenceState, hidden: torch.Tensor | None) -> None:
+        """Hand prompt features to an EAGLE proposer (kept while choices may copy them)."""
+        if hidden is None or not _needs_features(seq.lane):
+            return
+        part = hidden if seq.prompt_hidden is None else torch.cat([seq.prompt_hidden, hidden])
+        seq.prompt_hidden = part
+        seq.lane.proposer.observe(hidden)  # type: ignore[attr-defined]
+
+    def _copy_prefill(self, source: SequenceState, seq: SequenceState) -> None:
+        seq.cache.copy_from(source.cache)
+        seq.prefilled = source.prefilled
+        self._observe_prompt(seq, source.prompt_hidden)
+
+    def _prefill_done(self, seq: SequenceState) -> None:
+        """A chunked prefill is complete: the sequence (and the choices that share its
+        prompt) decode from the next step on."""
+        self.prefilling.remove(seq)
+        self.running.append(seq)
+        for follower in seq.followers:
+            self._copy_prefill(seq, follower)
+            self.running.append(follower)
+        seq.followers = []
+
+    def _prefill_chunks(self, decode_rows: int) -> list[tuple[SequenceState, int, int]]:
+        """(sequence, first, end) prompt positions to prefill in this step's pass."""
+        if self.budget is None or not self.prefilling:
+            return []
+        left = max(self.budget - decode_rows, min(self.budget, self.PREFILL_FLOOR))
+        chunks = []
+        for seq in self.prefilling:
+            if left <= 0:
+                break
+            n = min(seq.prompt_len - 1 - seq.prefilled, left, self.PREFILL_CHUNK)
+            chunks.append((seq, seq.prefilled, seq.prefilled + n))
+            left -= n
+        return chunks
 
     def cancel(self, seq: SequenceState) -> GenerationResult:
         """Stop a sequence now (its client went away); it leaves the batch."""
@@ -296,15 +370,28 @@ class Scheduler:
         return seq.result()
 
     def _retire(self, seq: SequenceState) -> None:
+        if seq.retired:
+            return
+        seq.retired = True
+        for source in self.prefilling:  # a choice that never started
+            if seq in source.followers:
+                source.followers.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+            for follower in seq.followers:  # its choices prefill on their own now
+                follower.prefilled = 0
+                self.prefilling.append(follower)
+            seq.followers = []
         if seq in self.running:
             self.running.remove(seq)
-            seq.lane.proposer.end(seq.tokens)
-            self._idle.append(seq.lane)
+        seq.lane.proposer.end(seq.tokens)
+        self._idle.append(seq.lane)
 
     def step(self) -> list[StepEvent]:
-        """One verify pass for every running sequence."""
+        """One verify pass for every running sequence (carrying prompt chunks of joining
+        sequences when there is a token budget)."""
         seqs = list(self.running)
-        if not seqs:
+        if not seqs and not self.prefilling:
             return []
         behind = [seq.k == 0 for seq in seqs]  # drafted nothing last step (or is new)
         for seq in seqs:
@@ -320,13 +407,27 @@ class Scheduler:
             parents = seq.draft.parents
             tree = None if parents is None else [-1, *[p + 1 for p in parents]]
             segments.append(Segment(tokens, seq.cache, start, tree))
-        need_hidden = any(_needs_features(seq.lane) for seq in seqs)
+        decode_rows = sum(seg.tokens.shape[0] for seg in segments)
+        chunks = self._prefill_chunks(decode_rows)
+        for seq, lo, hi in chunks:
+            part = torch.tensor(seq.tokens[lo:hi], dtype=torch.long)
+            segments.append(Segment(part, seq.cache, lo, logits=False))
+        lanes = [seq.lane for seq in seqs] + [seq.lane for seq, _, _ in chunks]
+        need_hidden = any(_needs_features(lane) for lane in lanes)
         all_logits, hidden = self.target.net.forward_batch(segments, return_hidden=need_hidden)
         assert all_logits is not None  # [k_s + 1, vocab] each
+        for j, (seq, _, hi) in enumerate(chunks):
+            seq.prefilled = hi
+            self._observe_prompt(seq, None if hidden is None else hidden[len(seqs) + j])
+            if seq.prefill_done:
+                self._prefill_done(seq)
+        if not seqs:
+            return []
         events = []
         verdicts: list[Verdict | TreeVerdict] = []
         emitted_rows: list[list[int]] = []  # the logits row of each token a verdict emits
-        for i, (seq, logits, seg) in enumerate(zip(seqs, all_logits, segments, strict=True)):
+        decoded = zip(seqs, all_logits[: len(seqs)], segments[: len(seqs)], strict=True)
+        for i, (seq, logits, seg) in enumerate(decoded):
             if seq.params.penalized:  # each row sees the drafts before it as output
                 logits = penalize(logits, seq.params, _row_histories(seq), seq.prompt_len)
                 all_logits[i] = logits  # logprobs come from the same rows
@@ -360,13 +461,13 @@ class Scheduler:
         # not seen (the prompt, plain steps' tokens): a one-off, not a per-step cost.
         caught_up = not any(b and seq.k > 0 for b, seq in zip(behind, seqs, strict=True))
         cost = StepCost(
-            rows=sum(seq.draft.depth + 1 for seq in seqs),
+            rows=decode_rows + sum(hi - lo for _, lo, hi in chunks),
             verify_s=verify_s,
             draft_depth=_draft_depth(seqs),
             draft_s=draft_s if caught_up else None,
         )
         for seq, verdict, logits, rows in zip(
-            seqs, verdicts, all_logits, emitted_rows, strict=True
+            seqs, verdicts, all_logits[: len(seqs)], emitted_rows, strict=True
         ):
             drafted = seq.draft.depth  # a tree counts its longest path
             seq.lane.policy.observe(drafted, verdict.num_accepted, draft_s, verify_s, cost)

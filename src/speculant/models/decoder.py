@@ -143,6 +143,7 @@ class Segment:
     start: int
     tree_parents: list[int] | None = None  # [T]
     tree_kv: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    logits: bool = True  # False: a prefill chunk; its logits come back empty [0, vocab]
 
 
 # The keys [lo, hi) each query row sees on the native path: (causal lo, sliding-window lo,
@@ -364,11 +365,29 @@ class Transformer:
         hidden = rms_norm(x, w.norm, c.norm_eps)  # [sum rows, dim]
         out_logits = None
         if logits:
-            full = linear(hidden, w.output).float()  # [sum rows, vocab]
-            if c.final_logit_softcap:
+            # Only the segments that want logits go through the output head, each with its
+            # padded rows, so every row keeps its place in the kernel tiles.
+            wanted = [i for i, seg in enumerate(segments) if seg.logits]
+            if len(wanted) < len(segments):
+                picked = [hidden[o : o + rows] for o, rows, _ in (spans[i] for i in wanted)]
+                head_in = torch.cat(picked) if picked else None
+            else:
+                head_in = hidden
+            if head_in is None:  # prefill chunks only
+                full = torch.zeros(0, c.vocab_size)
+            else:
+                full = linear(head_in, w.output).float()  # [wanted rows, vocab]
+            if c.final_logit_softcap and head_in is not None:
                 cap = c.final_logit_softcap
                 full = torch.tanh(full / cap) * cap
-            out_logits = [full[o : o + n] for o, _, n in spans]
+            out_logits = []
+            at = 0
+            for seg, (_, rows, n) in zip(segments, spans, strict=True):
+                if seg.logits:
+                    out_logits.append(full[at : at + n])
+                    at += rows
+                else:
+                    out_logits.append(full[:0])
         hiddens = [hidden[o : o + n] for o, _, n in spans] if return_hidden else None
         return out_logits, hiddens
 
