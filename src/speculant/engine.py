@@ -21,6 +21,7 @@ from typing import Any
 
 from speculant.adaptive import FixedK, PassCosts
 from speculant.models.model import Model
+from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Proposer, make_proposer, spawn_proposer
 from speculant.sampling import SamplingParams
 from speculant.scheduler import (
@@ -131,17 +132,21 @@ class Engine:
             make_policy(self._k, plain=self.proposer.name == "none", costs=self.costs),
         )
 
-    def scheduler(self, max_num_batched_tokens: int | None = None) -> Scheduler:
+    def scheduler(
+        self, max_num_batched_tokens: int | None = None, prefix_cache: PrefixCache | None = None
+    ) -> Scheduler:
         """A scheduler over this engine's target; its first lane is the engine's own
         (so what a proposer or policy learns carries over between requests).
         max_num_batched_tokens: prefill prompts in chunks within this many rows per pass
-        (see Scheduler); None prefills each prompt whole when it joins."""
+        (see Scheduler); None prefills each prompt whole when it joins.
+        prefix_cache: share computed prompt prefixes between requests (see
+        speculant.prefix_cache)."""
         own = [Lane(self.proposer, self.policy)]
 
         def lane() -> Lane:
             return own.pop() if own else self.new_lane()
 
-        return Scheduler(self.target, lane, self.max_seq_len, max_num_batched_tokens)
+        return Scheduler(self.target, lane, self.max_seq_len, max_num_batched_tokens, prefix_cache)
 
     def _run(
         self, prompt: list[int], params: SamplingParams, stream: Stream

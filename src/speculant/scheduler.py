@@ -36,6 +36,7 @@ from speculant.adaptive import AdaptiveK, FixedK, Others, PassCosts, StepCost, c
 from speculant.cache import KVCache
 from speculant.models.decoder import Segment
 from speculant.models.model import Model
+from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Draft, Proposer
 from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
 from speculant.sampling import (
@@ -264,11 +265,14 @@ class Scheduler:
         new_lane: Callable[[], Lane],
         max_seq_len: int,
         max_num_batched_tokens: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """max_num_batched_tokens: rows per target pass that decoding and prompt chunks
         share (vLLM's meaning): the running sequences' verify rows come first, and the
         rest (at least PREFILL_FLOOR) prefills waiting prompts, oldest first, in the same
-        pass. None: a prompt is prefilled whole when it joins."""
+        pass. None: a prompt is prefilled whole when it joins.
+        prefix_cache: where finished sequences leave their cache rows and joining ones
+        look for their prompt's longest cached prefix (see speculant.prefix_cache)."""
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} is out of range: use >= 1"
@@ -277,6 +281,7 @@ class Scheduler:
         self.new_lane = new_lane
         self.max_seq_len = max_seq_len
         self.budget = max_num_batched_tokens
+        self.prefix_cache = prefix_cache
         self.running: list[SequenceState] = []
         self.prefilling: list[SequenceState] = []  # joined, prompt not yet in the cache
         self._idle: list[Lane] = []
@@ -310,15 +315,22 @@ class Scheduler:
                 return seq
             if source is not None:
                 self._copy_prefill(source, seq)
-            elif self.budget is None or len(prompt) <= 1:
+            else:
+                # EAGLE drafts from the target's features of every prompt position, which
+                # a cached prefix does not have: its prompts are computed.
+                if self.prefix_cache is not None and not _needs_features(lane):
+                    seq.prefilled = self.prefix_cache.lookup(prompt, seq.cache, len(prompt) - 1)
+                if self.budget is not None and not seq.prefill_done:
+                    self.prefilling.append(seq)  # chunks ride along in the next steps
+                    return seq
                 hidden = self.target.prefill(
-                    prompt[:-1], seq.cache, return_hidden=_needs_features(lane)
+                    prompt[seq.prefilled : -1],
+                    seq.cache,
+                    seq.prefilled,
+                    return_hidden=_needs_features(lane),
                 )
                 seq.prefilled = len(prompt) - 1
                 self._observe_prompt(seq, hidden)
-            else:
-                self.prefilling.append(seq)  # chunks ride along in the next steps
-                return seq
         except BaseException:
             lane.proposer.end(prompt)
             self._idle.append(lane)
@@ -384,6 +396,8 @@ class Scheduler:
             seq.followers = []
         if seq in self.running:
             self.running.remove(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(seq.tokens, seq.cache)
         seq.lane.proposer.end(seq.tokens)
         self._idle.append(seq.lane)
 
