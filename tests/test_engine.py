@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 from conftest import tiny_model
+from oracles import plain_greedy
 
 from speculant import Engine, RequestError, SamplingParams
-from speculant.engine import plain_greedy
 from speculant.proposers import Draft, TokenizerMismatchError
 
 

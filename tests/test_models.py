@@ -150,8 +150,9 @@ def test_quantization_round_trip_error_bounds() -> None:
 
 
 def test_int4_greedy_draft_is_lossless(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    from oracles import plain_greedy
+
     from speculant import Engine, SamplingParams
-    from speculant.engine import plain_greedy
 
     target = tiny_model(tiny_root, "qwen2", seed=8, dtype="bfloat16")
     draft = tiny_model(tiny_root, "qwen2", seed=8, dtype="int4")

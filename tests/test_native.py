@@ -16,10 +16,10 @@ import torch
 from conftest import real_model_path
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
+from oracles import plain_greedy
 from test_engine import ScriptedProposer
 
 from speculant import Engine, SamplingParams, load_model, native
-from speculant.engine import plain_greedy
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable: {native.why_missing()}"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
+from oracles import plain_greedy
 
 from speculant import Engine, SamplingParams
 from speculant.adaptive import AdaptiveK
-from speculant.engine import plain_greedy
 from speculant.proposers import available_methods, make_proposer
 from speculant.proposers.layer_skip import LayerSkipProposer, block_influence, calibration_ids
 from speculant.proposers.ngram import NgramProposer

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from conftest import real_model_path
+from oracles import plain_greedy
 from test_engine import ScriptedProposer
 
 from speculant import Engine, SamplingParams, load_model
 from speculant.cli import main
-from speculant.engine import plain_greedy
 from speculant.proposers import TokenizerMismatchError
 
 pytestmark = pytest.mark.real

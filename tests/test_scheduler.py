@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 from conftest import tiny_model
+from oracles import plain_greedy
 
 from speculant import Engine, SamplingParams
-from speculant.engine import plain_greedy
 from speculant.proposers import DraftModelProposer, available_methods
 from speculant.scheduler import GenerationResult, Scheduler
 

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 from conftest import tiny_model
+from oracles import plain_greedy
 
 from speculant import Engine, SamplingParams
-from speculant.engine import plain_greedy
 from speculant.proposers.base import make_proposer
 from speculant.proposers.suffix import SuffixProposer, _Node, _Trie
 

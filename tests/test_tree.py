@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_distribution import chi2_rejects
 
+from speculant.models.decoder import Segment
 from speculant.rejection import verify_tree
 
 VOCAB = 6
@@ -119,9 +120,12 @@ def test_tree_pass_matches_each_path_bitwise_and_keeps_the_path(
     tree_cache = m.new_cache(40)
     m.prefill(context[:-1], tree_cache)
     # the root (last committed token) is fed with the tree, as the verify pass does
-    logits, kv = m.forward_tree(
-        [context[-1], *tokens], [-1, *[p + 1 for p in parents]], tree_cache, start
+    seg = Segment(
+        torch.tensor([context[-1], *tokens]), tree_cache, start, [-1, *[p + 1 for p in parents]]
     )
+    all_logits, _ = m.net.forward_batch([seg])
+    assert all_logits is not None
+    logits, kv = all_logits[0], seg.tree_kv
     assert tree_cache.length == start
 
     def path_of(i: int) -> list[int]:

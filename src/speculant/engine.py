@@ -7,8 +7,9 @@ one, which is fed at the head of the next verify pass together with the drafts:
     cache     = keys/values of tokens[:-1]
     verify in = [tokens[-1], d_1 .. d_k]     -> p_target [k+1, vocab]
 
-After the verdict (n drafts kept, plus one new token) the cache is truncated to
-len(tokens) + n: the one rollback, in one place (scheduler.Scheduler.step). With k = 0
+After the verdict (n drafts kept, plus one new token) the cache keeps len(tokens) + n
+rows (a chain is truncated, a tree keeps its accepted path; scheduler.Scheduler.step).
+With k = 0
 this is plain decoding, so the baseline and the speculative runs share every line but
 the proposer's. `Engine` runs one request at a time through the same scheduler that
 batches many requests in the server.
@@ -34,7 +35,6 @@ from speculant.scheduler import (
     TextTracker,
     check_prompt,
     make_policy,
-    plain_greedy,
 )
 
 __all__ = [
@@ -45,7 +45,6 @@ __all__ = [
     "Stream",
     "StreamChunk",
     "TextTracker",
-    "plain_greedy",
 ]
 
 

@@ -675,17 +675,3 @@ class TextTracker:
         out = text[self.released : end]
         self.released = end
         return out
-
-
-def plain_greedy(model: Model, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:
-    """Reference greedy decoding, one token per forward, no engine machinery."""
-    cache = model.new_cache(len(prompt_ids) + max_tokens)
-    model.prefill(list(prompt_ids[:-1]), cache)
-    tokens = list(prompt_ids)
-    out = []
-    for _ in range(max_tokens):
-        logits = model.forward([tokens[-1]], cache, len(tokens) - 1)
-        token = int(torch.argmax(logits[-1]))
-        tokens.append(token)
-        out.append(token)
-    return out

@@ -109,9 +109,6 @@ class Weights:
                 setattr(lw, name, convert(getattr(lw, name)))
         self.output = convert(self.output)
 
-    def quantize_int8(self) -> None:
-        self.quantize("int8")
-
     @property
     def weight_format(self) -> str | None:
         """ "gguf", "int4" or "int8" when the projections are quantized, else None."""
@@ -233,7 +230,8 @@ def _uses_native(weights: Weights) -> bool:
 
 
 class Transformer:
-    """The decoder. `forward` is the only entry point; it writes the cache it is given.
+    """The decoder: `forward_batch` runs segments of several sequences in one pass
+    (`forward` one sequence); each writes the caches it is given.
 
     With GGUF weights on the native kernels (float32 activations), every reduction of a
     pass is row-invariant by construction: the matmuls, the norms and attention (native

@@ -95,21 +95,6 @@ class Model:
         assert logits is not None
         return logits
 
-    def forward_tree(
-        self, token_ids: Sequence[int], parents: Sequence[int], cache: KVCache, start: int
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """Logits [n, vocab] float32 of a draft tree's n nodes at positions start + depth;
-        node i attends to the context and its ancestors (parents[i], -1 for the context),
-        and its logits are bitwise those of its path run as a chain. Also returns every
-        node's keys and values: keep the accepted path with cache.keep_path(start, kv,
-        path)."""
-        seg = Segment(
-            torch.as_tensor(list(token_ids), dtype=torch.long), cache, start, list(parents)
-        )
-        logits, _ = self.net.forward_batch([seg])
-        assert logits is not None
-        return logits[0], seg.tree_kv
-
     def prefill(
         self,
         token_ids: Sequence[int],
