@@ -40,6 +40,22 @@ def nonneg_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def seconds(text: str, positive: bool = False) -> float:
+    """A duration in seconds: a finite number >= 0 (> 0 when positive)."""
+    allowed = "a number of seconds " + ("> 0" if positive else ">= 0")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use {allowed}") from None
+    if not (value > 0 if positive else value >= 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is out of range: use {allowed}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    return seconds(text, positive=True)
+
+
 def port(text: str) -> int:
     value = positive_int(text)
     if value > 65535:

@@ -21,7 +21,13 @@ from speculant.anomaly import AnomalyVerdict
 from speculant.cadence import Ticker, TokenSplitter, wait_for_slot
 from speculant.sampling import TokenLogprob
 from speculant.scheduler import GenerationResult, GenerationStats, RequestError, StreamChunk
-from speculant.server.async_engine import EngineClient, RequestOutput
+from speculant.server.async_engine import (
+    ABORT,
+    EngineClient,
+    EngineDraining,
+    QueueFull,
+    RequestOutput,
+)
 from speculant.server.limits import MAX_BODY_BYTES, BodyLimits
 from speculant.server.schema import (
     APIError,
@@ -48,7 +54,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "missing or wrong API key"),
         (404, "the model is not served here"),
         (413, "the body is too large"),
+        (429, "too many requests wait already (see the Retry-After header)"),
         (500, "generation failed"),
+        (503, "the server is shutting down"),
     ]
 }
 STREAMED = {"text/event-stream": {"schema": {"type": "string"}}}
@@ -92,6 +100,9 @@ def create_app(
     async def auth(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
+        if _draining(engine) and request.url.path.startswith("/v1"):
+            metrics.errors.labels(status="503").inc()
+            return JSONResponse(_draining_error().body(), status_code=503)
         if api_key and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
@@ -118,9 +129,11 @@ def create_app(
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return await api_error(request, validation_error(exc.errors(), exc.body))
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", responses={503: {"description": "draining: shutting down"}})
+    async def health() -> JSONResponse:
+        if _draining(engine):
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -162,6 +175,19 @@ def create_app(
     return app
 
 
+def _draining_error() -> APIError:
+    return APIError(
+        "the server is shutting down and accepts no new requests: retry on another replica",
+        status=503,
+        type="server_error",
+        code="server_draining",
+    )
+
+
+def _draining(engine: EngineClient) -> bool:
+    return bool(getattr(engine, "draining", False))
+
+
 async def _serve(
     engine: EngineClient, request: Request, req: ParsedRequest, chat: bool, cadence_s: float | None
 ) -> Response:
@@ -192,9 +218,20 @@ async def _serve(
             raise APIError(f"{name}: {message}", param=name, code="invalid_value") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     scored = req.logprobs if req.echo else None
-    outputs = engine.generate(prompt_ids, params, arrival, prompt_logprobs=scored, n=req.n)
     echo = _echo_text(engine, req, prompt_ids) if req.echo else ""
     reply = _Reply(engine, req, rid, chat, prompt_ids, echo)
+    try:  # submitted here, refused here: nothing is queued for a refused request
+        outputs = engine.generate(prompt_ids, params, arrival, prompt_logprobs=scored, n=req.n)
+    except QueueFull as exc:
+        raise APIError(
+            str(exc),
+            status=429,
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(exc.retry_after)},
+        ) from None
+    except EngineDraining:
+        raise _draining_error() from None
     if req.stream:
         return StreamingResponse(
             _sse(reply, outputs, cadence_s),
@@ -263,7 +300,10 @@ def _usage(
 
 
 def _finish(result: GenerationResult) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
+    """OpenAI's finish_reason; "abort" (vLLM's) when the server ended the request."""
+    if result.finish_reason in ("length", ABORT):
+        return result.finish_reason
+    return "stop"
 
 
 LOGPROB_FLOOR = -9999.0  # a token top-k / top-p dropped has -inf, which JSON cannot carry

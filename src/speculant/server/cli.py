@@ -4,12 +4,22 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
-from speculant.argtypes import add_dtype_args, k_value, port, positive_int
+from speculant.argtypes import (
+    add_dtype_args,
+    k_value,
+    nonneg_int,
+    port,
+    positive_int,
+    positive_seconds,
+    seconds,
+)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
@@ -18,6 +28,7 @@ examples:
   speculant serve --speculative-model qwen2.5-coder-0.5b-instruct     # default target, draft model
   speculant serve --model smollm2-135m-instruct --speculative-method ngram -k auto
   SPECULANT_API_KEY=secret speculant serve --host 0.0.0.0 --max-num-seqs 4
+  speculant serve --max-waiting 16 --request-timeout 120 --drain-timeout 60
 
 then, with any OpenAI client:
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -80,6 +91,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=8,
         help="requests decoded at once; more wait in order (default 8)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=nonneg_int,
+        default=64,
+        help="requests that may wait for a slot; one more gets a 429 with Retry-After "
+        "(default 64; 0: no waiting room)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="end a request this long after its arrival (waiting included) with "
+        'finish_reason "abort" and the text so far (default: no limit)',
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM / SIGINT, let running and waiting requests finish this long, "
+        'then end them with finish_reason "abort" and exit (default 30)',
     )
     p.add_argument(
         "--served-model-name", default=None, help="model id in the API (default --model)"
@@ -158,6 +192,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         max_num_seqs=args.max_num_seqs,
         draft_name=draft.name if draft is not None else None,
         anomaly_z=args.anomaly_z,
+        max_waiting=args.max_waiting,
+        request_timeout=args.request_timeout,
     )
     api_key = args.api_key or os.environ.get("SPECULANT_API_KEY") or None
     cadence = args.stream_cadence_ms
@@ -181,5 +217,71 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"on http://{args.host}:{args.port}",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_WRITE_S,
+    )
+    draining_server(config, engine, args.drain_timeout).run()
     return 0
+
+
+GRACEFUL_WRITE_S = 10  # after the drain: time for the last responses to be written
+
+
+def draining_server(config: Any, engine: Any, drain_timeout: float) -> Any:
+    """A uvicorn.Server whose SIGTERM / SIGINT drains instead of stopping at once.
+
+    First signal: the engine stops admitting (new /v1 requests get 503, /health says
+    draining) while the server keeps answering; running and waiting requests get up to
+    drain_timeout seconds, then the rest end with finish_reason "abort". Only then does
+    uvicorn's own shutdown start (should_exit), which waits for the last responses to be
+    written and runs the app's lifespan shutdown. A second signal aborts what is left at
+    once; a third is uvicorn's (force exit). The signal is not raised again after the
+    shutdown, so the process exits with status 0."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config) -> None:
+            super().__init__(config)
+            self.signals = 0
+            self.drain_task: asyncio.Task[bool] | None = None
+            self._loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # A signal handler: only flags and a wake-up of the loop, no locks.
+            self.signals += 1
+            loop = self._loop
+            if loop is None or not self.started or self.signals > 2:
+                super().handle_exit(sig, frame)
+                return
+            engine.begin_drain()
+            name = signal.Signals(sig).name
+            loop.call_soon_threadsafe(self._on_signal, name, self.signals)
+
+        def _on_signal(self, name: str, count: int) -> None:
+            if count == 1:
+                print(
+                    f"{name}: draining: no new requests; running and waiting ones get "
+                    f"{drain_timeout:g} s to finish (a second signal aborts them now)",
+                    file=sys.stderr,
+                )
+                assert self._loop is not None
+                self.drain_task = self._loop.create_task(self._drain())
+            else:
+                print(f"{name} again: aborting the requests left", file=sys.stderr)
+                engine.abort_all()
+
+        async def _drain(self) -> bool:
+            try:
+                return bool(await engine.drain(drain_timeout))
+            finally:
+                self.should_exit = True  # uvicorn's shutdown: stop listening, finish writes
+
+    return DrainingServer(config)
