@@ -116,6 +116,9 @@ def test_outputs_are_the_same_with_and_without_the_cache(tiny_root, method: str,
         store = PrefixCache(max_bytes=1 << 24)
         cached = _conversation(engine, params, store, budget)
         assert cached == plain, method  # tokens, and logprobs bitwise: the same cache rows
+        if method in ("draft", "layer-skip"):  # the draft's own rows are cached too
+            draft_store = engine.proposer.prefix_cache  # type: ignore[attr-defined]
+            assert draft_store is not None and draft_store.hits > 0
         if method != "eagle":  # EAGLE needs every prompt position's features: no lookups
             # turns 2 and 3 copied their history (all but the partial last block)
             assert store.hits >= 2 * ((40 + 20) // BLOCK) * BLOCK, (store.hits, store.queries)

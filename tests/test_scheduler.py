@@ -303,6 +303,23 @@ def test_a_long_prompt_does_not_stall_running_sequences(tiny_root, monkeypatch) 
         sched.step()
 
 
+def test_the_draft_prefills_alongside(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    """A draft model computes its prompt rows chunk by chunk with the target's, so its
+    first drafting step has no prompt to catch up on."""
+    engine = _engine(tiny_root, "draft", 3)
+    sched = engine.scheduler(max_num_batched_tokens=10)
+    prompt = [(5 * i + 3) % 90 for i in range(77)]
+    seq = sched.add("long", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while seq not in sched.running:
+        sched.step()
+        draft = seq.lane.proposer
+        assert isinstance(draft, DraftModelProposer)
+        assert draft._cached_ids == prompt[: seq.prefilled]  # in step with the target
+    while sched.busy:
+        sched.step()
+    assert seq.output == plain_greedy(engine.target, prompt, 8)
+
+
 def test_stop_token_ids_end_the_text(tiny_root) -> None:  # type: ignore[no-untyped-def]
     engine = _engine(tiny_root, "draft", 3)
     free = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))

@@ -518,6 +518,64 @@ def test_chat_logprobs_and_stop_token_ids(
     assert cut.choices[0].message.content == tok.decode([t for t, _, _ in expected[:first]])
 
 
+def test_chunked_prefill_and_prefix_cache(models: tuple[Model, Model]) -> None:
+    """A server that prefills in chunks of 8 rows and caches prefixes gives the texts of
+    plain decoding, concurrent or not, and its second chat turn copies the first turn's
+    rows (Prometheus counts the hits)."""
+    target, draft = models
+    engine = Engine(target, draft=draft, num_speculative_tokens=3, max_seq_len=CONTEXT)
+    aengine = AsyncEngine(
+        engine,
+        model_name=MODEL,
+        max_num_seqs=3,
+        max_num_batched_tokens=8,
+        prefix_cache_bytes=1 << 24,
+    )
+    prompts = [f"copy {i}: red green blue yellow {i} " * 3 for i in range(4)]
+    expected = [_expected(models, p, 10)[0] for p in prompts]
+    with serving(aengine) as url:
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+        async def one(prompt: str) -> str:
+            res = await aclient.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return res.choices[0].text
+
+        async def run() -> list[str]:
+            async with aclient:
+                return await asyncio.gather(*[one(p) for p in prompts])
+
+        assert asyncio.run(run()) == expected
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        history = [{"role": "user", "content": "tell me about red and green and blue " * 4}]
+        first = client.chat.completions.create(
+            model=MODEL,
+            messages=history,
+            max_tokens=12,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        before = metrics(url)
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "and yellow?"},
+        ]
+        client.chat.completions.create(
+            model=MODEL,
+            messages=history,
+            max_tokens=12,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        after = metrics(url)
+    hits = after["speculant:prefix_cache_hits_total"] - before["speculant:prefix_cache_hits_total"]
+    assert hits >= 32  # the first turn's prompt, in whole blocks
+    assert after["speculant:prefix_cache_blocks"] > 0
+
+
 def test_auth(server: tuple[str, AsyncEngine]) -> None:
     url = server[0]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
@@ -596,8 +654,45 @@ def test_serve_cli_builds_the_vllm_shaped_server(models: tuple[Model, Model]) ->
         + ["--num-speculative-tokens", "4", "--dtype", "float32", "--max-model-len", "128"]
     )
     assert (args.host, args.port, args.max_num_seqs) == ("127.0.0.1", 8000, 8)
+    assert (args.max_num_batched_tokens, args.enable_prefix_caching) == (32, True)
     app, engine = build_server(args)
+    assert engine._sched.budget == 32 and engine.prefix_cache is not None
+    assert engine.prefix_cache.max_bytes == 2**30
+    off = build_parser().parse_args(
+        ["serve", "--no-enable-prefix-caching", "--max-num-batched-tokens", "0"]
+    )
+    assert (off.max_num_batched_tokens, off.enable_prefix_caching) == (0, False)
     assert engine.method == "draft" and engine.num_speculative_tokens == 4
     assert engine.max_model_len == 128 and engine.model_name == str(target.source)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--num-speculative-tokens", "99"])
+
+
+def test_serve_takes_vllms_speculative_config(models: tuple[Model, Model]) -> None:
+    from speculant.cli import build_parser
+    from speculant.server.cli import build_server
+
+    target, draft = models
+    base = ["serve", "--model", str(target.source), "--dtype", "float32"]
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    _, engine = build_server(build_parser().parse_args([*base, "--speculative-config", config]))
+    assert engine.method == "ngram" and engine.num_speculative_tokens == 4
+    assert engine.engine.proposer.ngram_max == 3
+    config = json.dumps({"model": str(draft.source), "num_speculative_tokens": "auto"})
+    args = build_parser().parse_args(
+        [*base, "--draft-dtype", "float32", "--speculative-config", config]
+    )
+    _, engine = build_server(args)
+    assert engine.method == "draft" and engine.num_speculative_tokens == "auto"
+    for bad in (
+        "{not json",
+        '{"method": "medusa", "model": "x"}',
+        '{"method": "ngram", "draft_tensor_parallel_size": 2}',
+        '{"method": "eagle"}',
+        '{"method": "ngram", "num_speculative_tokens": 99}',
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, "--speculative-config", bad])
+    mixed = [*base, "--speculative-config", '{"method": "ngram"}', "--speculative-method", "suffix"]
+    with pytest.raises(ValueError, match="use one form"):
+        build_server(build_parser().parse_args(mixed))

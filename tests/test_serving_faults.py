@@ -23,7 +23,7 @@ import pytest
 from serving import free_port, metrics, serving
 from tiny import tiny_chat_model
 
-from speculant import Engine
+from speculant import Engine, SamplingParams
 from speculant.models.model import Model
 from speculant.server import AsyncEngine
 
@@ -316,3 +316,89 @@ def test_flags_and_their_errors(
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             AsyncEngine(Engine(target), model_name="tiny", **kw)
+
+
+def test_mixed_load_loses_nothing(models: tuple[Model, Model]) -> None:
+    """48 concurrent clients through the openai client against a server that prefills in
+    chunks and caches prefixes: short and long prompts (several sharing a long header),
+    streaming and not, two slow readers, two clients that hang up mid-stream. Every
+    finished text equals its solo greedy output, the hung-up requests are cancelled, the
+    server still answers, and the counters add up to what the clients received."""
+    import openai
+
+    target, draft = models
+    assert target.tokenizer is not None
+    header = "system: answer in colors. " * 12  # a long shared prefix
+    prompts = [
+        (header if i % 3 == 0 else "") + f"copy {i}: red green blue {i % 7}" for i in range(48)
+    ]
+    solo = Engine(target, draft=draft, num_speculative_tokens=3)
+    expected = [
+        solo.generate(
+            target.tokenizer.encode(p), SamplingParams(max_tokens=8, ignore_eos=True)
+        ).text
+        for p in prompts
+    ]
+    engine = AsyncEngine(
+        Engine(target, draft=draft, num_speculative_tokens=3),
+        model_name="tiny",
+        max_num_seqs=8,
+        max_num_batched_tokens=8,
+        prefix_cache_bytes=1 << 24,
+    )
+    hang_up = {5, 17}
+    slow = {7, 20}
+    with serving(engine) as url:
+        before = metrics(url)
+
+        async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str | None, int]:
+            kw: dict[str, Any] = dict(model="tiny", prompt=prompts[i], max_tokens=8, temperature=0)
+            if i in hang_up:  # one event, then gone
+                async with httpx.AsyncClient(timeout=60) as http:
+                    body = {**_body(200, stream=True), "prompt": prompts[i]}
+                    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                break
+                return None, 0
+            if i % 2:
+                stream = await client.completions.create(
+                    **kw, stream=True, extra_body={"ignore_eos": True}
+                )
+                text, n = "", 0
+                async for chunk in stream:
+                    if i in slow:
+                        await asyncio.sleep(0.2)
+                    text += chunk.choices[0].text if chunk.choices else ""
+                    n += 1
+                return text, 8
+            res = await client.completions.create(**kw, extra_body={"ignore_eos": True})
+            assert res.usage is not None
+            return res.choices[0].text, res.usage.completion_tokens
+
+        async def run() -> list[tuple[str | None, int]]:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            async with client:
+                jobs = [one(client, i) for i in range(48)]
+                return await asyncio.wait_for(asyncio.gather(*jobs), timeout=240)
+
+        got = asyncio.run(run())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not engine.idle:
+            time.sleep(0.1)
+        after = metrics(url)
+        ok = httpx.post(url + "/v1/completions", json=_body(2), timeout=30)
+        assert ok.status_code == 200
+    for i, (text, _) in enumerate(got):
+        if i not in hang_up:
+            assert text == expected[i], i
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("speculant:request_success_total{finished_reason=length}") == 46
+    assert delta("speculant:request_success_total{finished_reason=cancelled}") == 2
+    finished_tokens = sum(n for i, (_, n) in enumerate(got) if i not in hang_up)
+    generated = delta("speculant:generation_tokens_total")
+    assert finished_tokens == 46 * 8 and generated >= finished_tokens
+    assert delta("speculant:prefix_cache_hits_total") > 0  # the shared header

@@ -4,6 +4,7 @@ is allowed."""
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def k_value(text: str) -> int | str:
@@ -40,9 +41,9 @@ def nonneg_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-def seconds(text: str, positive: bool = False) -> float:
+def seconds(text: str, positive: bool = False, what: str = "a number of seconds") -> float:
     """A duration in seconds: a finite number >= 0 (> 0 when positive)."""
-    allowed = "a number of seconds " + ("> 0" if positive else ">= 0")
+    allowed = what + (" > 0" if positive else " >= 0")
     try:
         value = float(text)
     except ValueError:
@@ -54,6 +55,11 @@ def seconds(text: str, positive: bool = False) -> float:
 
 def positive_seconds(text: str) -> float:
     return seconds(text, positive=True)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    return seconds(text, positive=True, what="a number")
 
 
 def port(text: str) -> int:
@@ -92,3 +98,126 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
 def seed_value(text: str) -> int | None:
     """A sampling seed: an integer >= 0, or 'none' for unseeded sampling."""
     return None if text.lower() == "none" else _int_at_least(text, 0, " or 'none'")
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers (layer indices)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated layer indices") from None
+
+
+def add_proposer_args(parser: argparse.ArgumentParser) -> None:
+    """The options of each drafting method, the same for generate and serve."""
+    g = parser.add_argument_group("method options")
+    g.add_argument(
+        "--ngram-max",
+        type=int,
+        default=4,
+        help="ngram: longest suffix matched against earlier text",
+    )
+    g.add_argument(
+        "--ngram-min",
+        type=int,
+        default=2,
+        help="ngram: shortest suffix matched against earlier text",
+    )
+    g.add_argument(
+        "--skip-layers",
+        type=int_list,
+        default=None,
+        metavar="I,J,...",
+        help="layer-skip: target layers to skip when drafting "
+        "(default: chosen by a one-pass calibration)",
+    )
+    g.add_argument(
+        "--skip-ratio",
+        type=float,
+        default=0.5,
+        help="layer-skip: share of layers the calibration skips",
+    )
+    g.add_argument(
+        "--eagle-head",
+        default=None,
+        metavar="DIR",
+        help="eagle: a head folder from `speculant train eagle` for this target",
+    )
+    g.add_argument(
+        "--tree-topk",
+        type=int,
+        default=1,
+        help="eagle: candidates per tree node; 1 = a chain sampled from the head's q (the "
+        "fastest on CPUs here), 2+ = an EAGLE-2 dynamic tree",
+    )
+    g.add_argument(
+        "--tree-tokens",
+        type=int,
+        default=16,
+        help="eagle: draft tokens per tree (the most confident ones); -k sets its depth",
+    )
+
+
+def proposer_options(method: str, args: argparse.Namespace) -> dict[str, object]:
+    """The proposer_options for `method` from the flags of add_proposer_args."""
+    if method == "ngram":
+        return {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min}
+    if method == "layer-skip":
+        return {"skip_layers": args.skip_layers, "skip_ratio": args.skip_ratio}
+    if method == "eagle":
+        return {
+            "eagle_head": args.eagle_head,
+            "tree_topk": args.tree_topk,
+            "tree_tokens": args.tree_tokens,
+            "trust_unverified": args.trust_unverified,
+        }
+    return {}
+
+
+# vLLM's --speculative-config methods, and ours, by the name this project uses.
+SPEC_METHODS = {
+    "draft_model": "draft",
+    "ngram": "ngram",
+    "eagle": "eagle",
+    "eagle3": "eagle",
+    "suffix": "suffix",
+    "draft": "draft",
+    "layer-skip": "layer-skip",
+    "none": "none",
+}
+SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def speculative_config(text: str) -> dict[str, object]:
+    """vLLM's --speculative-config JSON: {"method", "model", "num_speculative_tokens",
+    "prompt_lookup_max", "prompt_lookup_min"}, checked and with the method named as this
+    project names it (a "model" without a "method" is a draft model)."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    unknown = sorted(set(config) - set(SPEC_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unsupported key(s) {', '.join(unknown)}: use {', '.join(SPEC_KEYS)}"
+        )
+    method = config.get("method") or ("draft_model" if config.get("model") else None)
+    if method not in SPEC_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"method {method!r} is not supported: use one of {', '.join(SPEC_METHODS)}"
+        )
+    out: dict[str, object] = {"method": SPEC_METHODS[method]}
+    if out["method"] in ("draft", "eagle") and not isinstance(config.get("model"), str):
+        raise argparse.ArgumentTypeError(
+            f'method {method!r} needs "model": a draft model, or an EAGLE head folder'
+        )
+    if "model" in config:
+        out["model"] = config["model"]
+    if "num_speculative_tokens" in config:
+        out["num_speculative_tokens"] = k_value(str(config["num_speculative_tokens"]))
+    for key, ours in (("prompt_lookup_max", "ngram_max"), ("prompt_lookup_min", "ngram_min")):
+        if key in config:
+            out[ours] = _int_at_least(str(config[key]), 1)
+    return out

@@ -7,7 +7,13 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
-from speculant.argtypes import add_dtype_args, k_value, nonneg_int
+from speculant.argtypes import (
+    add_dtype_args,
+    add_proposer_args,
+    k_value,
+    nonneg_int,
+    proposer_options,
+)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -81,51 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens drafted per verification pass (γ), or 'auto' to choose "
         "k per step from the live acceptance rate and measured costs",
     )
-    gen.add_argument(
-        "--ngram-max",
-        type=int,
-        default=4,
-        help="ngram: longest suffix matched against earlier text",
-    )
-    gen.add_argument(
-        "--ngram-min",
-        type=int,
-        default=2,
-        help="ngram: shortest suffix matched against earlier text",
-    )
-    gen.add_argument(
-        "--skip-layers",
-        type=_int_list,
-        default=None,
-        metavar="I,J,...",
-        help="layer-skip: target layers to skip when drafting "
-        "(default: chosen by a one-pass calibration)",
-    )
-    gen.add_argument(
-        "--skip-ratio",
-        type=float,
-        default=0.5,
-        help="layer-skip: share of layers the calibration skips",
-    )
-    gen.add_argument(
-        "--eagle-head",
-        default=None,
-        metavar="DIR",
-        help="eagle: a head folder from `speculant train eagle` for this target",
-    )
-    gen.add_argument(
-        "--tree-topk",
-        type=int,
-        default=1,
-        help="eagle: candidates per tree node; 1 = a chain sampled from the head's q (the "
-        "fastest on CPUs here), 2+ = an EAGLE-2 dynamic tree",
-    )
-    gen.add_argument(
-        "--tree-tokens",
-        type=int,
-        default=16,
-        help="eagle: draft tokens per tree (the most confident ones); -k sets its depth",
-    )
+    add_proposer_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
     gen.add_argument(
         "--temperature",
@@ -224,28 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated layer indices") from None
-
-
-def _proposer_options(args: argparse.Namespace) -> dict[str, object]:
-    if args.method == "ngram":
-        return {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min}
-    if args.method == "layer-skip":
-        return {"skip_layers": args.skip_layers, "skip_ratio": args.skip_ratio}
-    if args.method == "eagle":
-        return {
-            "eagle_head": args.eagle_head,
-            "tree_topk": args.tree_topk,
-            "tree_tokens": args.tree_tokens,
-            "trust_unverified": args.trust_unverified,
-        }
-    return {}
-
-
 def _print_help(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
     return 0
@@ -301,7 +241,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         draft=draft,
         method=args.method,
         num_speculative_tokens=args.num_speculative_tokens,
-        proposer_options=_proposer_options(args),
+        proposer_options=proposer_options(args.method, args),
     )
     tok = target.tokenizer
     if tok is None:

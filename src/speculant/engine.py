@@ -24,6 +24,7 @@ from speculant.adaptive import FixedK, PassCosts
 from speculant.models.model import Model
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Proposer, make_proposer, spawn_proposer
+from speculant.proposers.base import CachesPrompt
 from speculant.sampling import SamplingParams
 from speculant.scheduler import (
     GenerationResult,
@@ -140,6 +141,10 @@ class Engine:
         (see Scheduler); None prefills each prompt whole when it joins.
         prefix_cache: share computed prompt prefixes between requests (see
         speculant.prefix_cache)."""
+        draft = self.proposer
+        if prefix_cache is not None and isinstance(draft, CachesPrompt) and not draft.prefix_cache:
+            # The draft's rows get a store of their own (its spawns share it), as large.
+            draft.prefix_cache = PrefixCache(prefix_cache.max_bytes)
         own = [Lane(self.proposer, self.policy)]
 
         def lane() -> Lane:

@@ -38,6 +38,7 @@ from speculant.models.decoder import Segment
 from speculant.models.model import Model
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Draft, Proposer
+from speculant.proposers.base import CachesPrompt
 from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
 from speculant.sampling import (
     Coupled,
@@ -433,6 +434,8 @@ class Scheduler:
         for j, (seq, _, hi) in enumerate(chunks):
             seq.prefilled = hi
             self._observe_prompt(seq, None if hidden is None else hidden[len(seqs) + j])
+            if isinstance(seq.lane.proposer, CachesPrompt):  # its own prompt rows, in step
+                seq.lane.proposer.prefill_to(hi)
             if seq.prefill_done:
                 self._prefill_done(seq)
         if not seqs:

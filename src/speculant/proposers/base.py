@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from speculant.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from speculant.models.model import Model
+    from speculant.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,20 @@ class Proposer(Protocol):
     ) -> Draft: ...
 
     def end(self, tokens: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class CachesPrompt(Protocol):
+    """A proposer with a key/value cache of its own (a draft model): it can compute its
+    prompt rows in chunks alongside the target's chunked prefill (`prefill_to`) instead
+    of all at once when it first drafts, and reuse cached prefixes of earlier requests
+    (`prefix_cache`, a PrefixCache of its own model's rows, shared by its spawns)."""
+
+    prefix_cache: PrefixCache | None
+
+    def prefill_to(self, end: int) -> None:
+        """Make sure the cache holds the prompt's first `end` positions."""
+        ...
 
 
 class NoProposer:

@@ -20,6 +20,7 @@ from speculant.sampling import SamplingParams, draw, penalize, process_logits
 
 if TYPE_CHECKING:
     from speculant.models.model import Model
+    from speculant.prefix_cache import PrefixCache
 
 
 class TokenizerMismatchError(ValueError):
@@ -64,16 +65,42 @@ class DraftModelProposer:
         self._cache: KVCache | None = None
         self._cached_ids: list[int] = []  # ids whose keys/values are in the cache, in order
         self._committed = 0  # leading cached ids known to be committed (never rolled back)
+        self._prompt: list[int] = []
         self._prompt_len = 0  # output starts here (frequency and presence penalties)
+        self.prefix_cache: PrefixCache | None = None  # shared by spawns (see CachesPrompt)
 
     def begin(self, prompt_ids: Sequence[int], capacity: int) -> None:
         # Room for the context plus the drafts fed after it.
         self._cache = self.model.new_cache(capacity + 16)
-        self._cached_ids = []
-        self._committed = 0
+        self._prompt = list(prompt_ids)
         self._prompt_len = len(prompt_ids)
+        n = 0
+        if self.prefix_cache is not None:
+            n = self.prefix_cache.lookup(self._prompt, self._cache, len(self._prompt) - 1)
+        self._cached_ids = self._prompt[:n]
+        self._committed = n
+
+    def prefill_to(self, end: int) -> None:
+        """Compute the prompt rows [cached, end) now (a chunk of the target's prefill)."""
+        assert self._cache is not None, "begin() was not called"
+        have = len(self._cached_ids)
+        if self._committed < have or end <= have:
+            return  # rows beyond the prompt, or nothing new: drafting catches up itself
+        part = self._prompt[have:end]
+        self.model.prefill(part, self._cache, have)
+        self._cached_ids.extend(part)
+        self._committed = len(self._cached_ids)
 
     def end(self, tokens: Sequence[int] = ()) -> None:
+        if self.prefix_cache is not None and self._cache is not None:
+            # The rows of committed tokens: the cached ids up to the first that differs.
+            valid = 0
+            for cached, token in zip(self._cached_ids, tokens, strict=False):
+                if cached != token:
+                    break
+                valid += 1
+            self._cache.length = min(self._cache.length, valid)
+            self.prefix_cache.store(list(tokens[:valid]), self._cache)
         self._cache = None
         self._cached_ids = []
 

@@ -112,6 +112,4 @@ class LayerSkipProposer(DraftModelProposer):
             )
         self.skip_layers = sorted(set(skip_layers))
         log.info("layer-skip drafts with layers %s skipped", self.skip_layers)
-        self.model = skipped_view(target, self.skip_layers)
-        self._cache = None
-        self._cached_ids = []
+        super().__init__(target, skipped_view(target, self.skip_layers))

@@ -29,6 +29,7 @@ from typing import Protocol
 from speculant.anomaly import AcceptanceBaseline, AnomalyVerdict
 from speculant.engine import Engine
 from speculant.models.tokenizer import Tokenizer
+from speculant.prefix_cache import PrefixCache
 from speculant.sampling import SamplingParams, TokenLogprob
 from speculant.scheduler import (
     GenerationResult,
@@ -130,7 +131,9 @@ class AsyncEngine:
     max_waiting of them (None: no bound; 0: a request runs at once or is refused). A
     request whose consumer stops iterating (the client went away) is cancelled at the next
     step; one older than request_timeout seconds (since arrival) is ended with
-    finish_reason "abort" and the text it has.
+    finish_reason "abort" and the text it has. max_num_batched_tokens: prompts are
+    prefilled in chunks within the steps' passes (None: whole, when they join);
+    prefix_cache_bytes: memory for cached prefixes (0: no prefix caching).
     """
 
     def __init__(
@@ -143,6 +146,8 @@ class AsyncEngine:
         anomaly_z: float = -3.0,
         max_waiting: int | None = 64,
         request_timeout: float | None = None,
+        max_num_batched_tokens: int | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs} is out of range: use >= 1")
@@ -166,7 +171,9 @@ class AsyncEngine:
         self.num_speculative_tokens = engine.num_speculative_tokens
         self.metrics = ServerMetrics(model_name, draft_name, engine.method)
         self.baseline = AcceptanceBaseline(threshold=anomaly_z)
-        self._sched = engine.scheduler()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        self._sched = engine.scheduler(max_num_batched_tokens, self.prefix_cache)
+        self._prefix_seen = (0, 0)  # (queries, hits) already counted in the metrics
         self._waiting: deque[_Request] = deque()
         self._active: dict[int, _Request] = {}
         self._cv = threading.Condition()
@@ -410,6 +417,7 @@ class AsyncEngine:
                         self._retire(owner)
             self._settle(durations)
             self.metrics.running.set(len(self._active))
+            self._count_prefix_cache()
         # Shutting down: tell whoever still waits.
         for req in [*self._active.values(), *self._waiting]:
             req.send(RequestOutput("", [], error="the server is shutting down"))
@@ -440,6 +448,16 @@ class AsyncEngine:
             if not req.done:
                 req.done = True
                 self._unfinished -= 1
+
+    def _count_prefix_cache(self) -> None:
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        queries, hits = self._prefix_seen
+        self.metrics.prefix_queries.inc(cache.queries - queries)
+        self.metrics.prefix_hits.inc(cache.hits - hits)
+        self.metrics.prefix_blocks.set(cache.blocks)
+        self._prefix_seen = (cache.queries, cache.hits)
 
     def _settle(self, durations: Sequence[float] = ()) -> None:
         with self._cv:

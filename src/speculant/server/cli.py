@@ -13,15 +13,20 @@ from typing import Any
 
 from speculant.argtypes import (
     add_dtype_args,
+    add_proposer_args,
     k_value,
     nonneg_int,
     port,
+    positive_float,
     positive_int,
     positive_seconds,
+    proposer_options,
     seconds,
+    speculative_config,
 )
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_BATCHED_TOKENS = 32  # prompt rows a pass carries beside decoding (see docs/serving.md)
 
 EPILOG = """\
 examples:
@@ -67,15 +72,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens drafted per step, 0..64 or auto (default 5)",
     )
     p.add_argument(
-        "--eagle-head",
+        "--speculative-config",
+        type=speculative_config,
         default=None,
-        metavar="DIR",
-        help="EAGLE head folder (speculant train eagle) for --speculative-method eagle",
+        metavar="JSON",
+        help="vLLM's form of the three flags above, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 5}\' '
+        "(methods: draft_model, ngram, eagle, eagle3, suffix, layer-skip, none; for eagle, "
+        '"model" is the head folder)',
     )
-    p.add_argument(
-        "--tree-topk", type=int, default=1, help="eagle: candidates per tree node (1 = chain)"
-    )
-    p.add_argument("--tree-tokens", type=int, default=16, help="eagle: draft tokens per tree")
+    add_proposer_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=port, default=8000)
     p.add_argument(
@@ -91,6 +98,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_int,
         default=8,
         help="requests decoded at once; more wait in order (default 8)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=nonneg_int,
+        default=DEFAULT_BATCHED_TOKENS,
+        help="rows per target pass that decoding and prompt chunks share: a long prompt is "
+        "prefilled in chunks alongside the running requests instead of stalling them "
+        f"(default {DEFAULT_BATCHED_TOKENS}; 0: prefill each prompt whole when it joins)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the computed keys and values of earlier requests' prompts and outputs "
+        "for prompts that start the same way: shared system prompts, a chat's earlier turns "
+        "(default: on)",
+    )
+    p.add_argument(
+        "--prefix-cache-gib",
+        type=positive_float,
+        default=1.0,
+        help="memory the prefix cache may hold, in GiB (default 1; least recently used "
+        "prefixes are dropped beyond it)",
     )
     p.add_argument(
         "--max-waiting",
@@ -140,6 +170,32 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def apply_speculative_config(args: argparse.Namespace) -> None:
+    """Fill the separate flags from --speculative-config (refusing a mix of both)."""
+    config = args.speculative_config
+    mixed = [
+        flag
+        for flag, value in (
+            ("--speculative-model", args.speculative_model),
+            ("--speculative-method", args.speculative_method),
+            ("--eagle-head", args.eagle_head),
+        )
+        if value is not None
+    ]
+    if mixed:
+        raise ValueError(
+            f"--speculative-config and {', '.join(mixed)} both say how to draft: use one form"
+        )
+    args.speculative_method = config["method"]
+    if config["method"] == "eagle":
+        args.eagle_head = config["model"]
+    elif "model" in config:
+        args.speculative_model = config["model"]
+    for key in ("num_speculative_tokens", "ngram_max", "ngram_min"):
+        if key in config:
+            setattr(args, key, config[key])
+
+
 def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     """(app, AsyncEngine) from parsed flags: the models are loaded here."""
     import torch
@@ -151,6 +207,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.speculative_config is not None:
+        apply_speculative_config(args)
     method = args.speculative_method or ("draft" if args.speculative_model else "none")
     if method == "draft" and not args.speculative_model:
         raise ValueError("--speculative-method draft needs --speculative-model NAME")
@@ -174,16 +232,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         method=method,
         num_speculative_tokens=args.num_speculative_tokens,
         max_seq_len=args.max_model_len,
-        proposer_options=(
-            {
-                "eagle_head": args.eagle_head,
-                "tree_topk": args.tree_topk,
-                "tree_tokens": args.tree_tokens,
-                "trust_unverified": trust,
-            }
-            if method == "eagle"
-            else None
-        ),
+        proposer_options=proposer_options(method, args),
     )
     name = args.served_model_name or str(args.model)
     async_engine = AsyncEngine(
@@ -194,6 +243,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         anomaly_z=args.anomaly_z,
         max_waiting=args.max_waiting,
         request_timeout=args.request_timeout,
+        max_num_batched_tokens=args.max_num_batched_tokens or None,
+        prefix_cache_bytes=int(args.prefix_cache_gib * 2**30) if args.enable_prefix_caching else 0,
     )
     api_key = args.api_key or os.environ.get("SPECULANT_API_KEY") or None
     cadence = args.stream_cadence_ms

@@ -81,6 +81,21 @@ class ServerMetrics:
         self.waiting = Gauge(
             "speculant:num_requests_waiting", "Requests waiting for a batch slot.", registry=r
         )
+        self.prefix_queries = Counter(
+            "speculant:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "speculant:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (copied, not computed).",
+            registry=r,
+        )
+        self.prefix_blocks = Gauge(
+            "speculant:prefix_cache_blocks",
+            "Blocks of 16 tokens held in the prefix cache.",
+            registry=r,
+        )
         self.ttft = Histogram(
             "speculant:time_to_first_token_seconds",
             "From arrival to the first generated token.",
