@@ -163,7 +163,7 @@ def test_stop_string_completed_by_a_long_token_is_found() -> None:
     tokenizers have tokens of 30+ spaces) is found, and the text is cut before it."""
     from types import SimpleNamespace
 
-    from speculant.scheduler import TextTracker
+    from speculant.detokenize import TextTracker
 
     pieces = {0: "x = 1\nEN", 1: "D!" + " " * 60, 2: "more"}
 

@@ -13,7 +13,8 @@ from oracles import plain_greedy
 
 from speculant import Engine, SamplingParams
 from speculant.proposers import DraftModelProposer, available_methods
-from speculant.scheduler import GenerationResult, Scheduler
+from speculant.requests import GenerationResult
+from speculant.scheduler import Scheduler
 
 PROMPTS = [
     [3, 17, 42, 5, 9, 11],

@@ -26,7 +26,7 @@ from speculant.models import model as model_module
 from speculant.models import tokenizer as tokenizer_module
 from speculant.models.model import Model, load_model
 from speculant.proposers import Draft, DraftModelProposer
-from speculant.scheduler import StreamChunk
+from speculant.requests import StreamChunk
 from speculant.server import AsyncEngine
 
 

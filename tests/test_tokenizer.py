@@ -8,6 +8,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,8 +16,9 @@ from conftest import real_model_path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from speculant.detokenize import IncrementalDecoder, TextTracker
 from speculant.models import tokenizer as tokmod
-from speculant.models.tokenizer import StreamDecoder, Tokenizer
+from speculant.models.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -182,15 +184,17 @@ def test_chat_template_rendering(tiny: Tokenizer) -> None:
         tiny.apply_chat_template([{"role": "user", "content": "x"}], chat_template=evil)
 
 
-def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip: bool = False) -> list[str]:
-    dec = StreamDecoder(tok, prompt_ids=[1, 5, 7], skip_special_tokens=skip)
+def _stream(tok: Tokenizer, ids: list[int], chunks: list[int]) -> list[str]:
+    """The text a TextTracker releases after each chunk of ids, then at the end."""
+    tracker = TextTracker(SimpleNamespace(tokenizer=tok), ())  # type: ignore[arg-type]
     out: list[str] = []
     pos = 0
-    for n in chunks:
-        out.append(dec.push(ids[pos : pos + n]))
+    for n in [*chunks, len(ids)]:
+        for t in ids[pos : pos + n]:
+            tracker.push(t)
+        out.append(tracker.release(final=False))
         pos += n
-    out.append(dec.push(ids[pos:]))
-    out.append(dec.flush())
+    out.append(tracker.release(final=True))
     return out
 
 
@@ -198,17 +202,21 @@ def _check_stream(tok: Tokenizer, text: str, seed: int = 0) -> None:
     ids = tok.encode(text, add_special_tokens=False)
     rng = random.Random(seed)
     one_by_one = _stream(tok, ids, [1] * len(ids))
-    assert "".join(one_by_one) == tok.decode(ids)
-    # nothing but the final flush may carry a replacement character
+    assert "".join(one_by_one) == tok.decode(ids, skip_special_tokens=True)
+    # nothing but the final release may carry a replacement character
     assert not any("\ufffd" in piece for piece in one_by_one[:-1])
     chunks = [rng.randint(1, 4) for _ in range(len(ids))]
-    assert "".join(_stream(tok, ids, chunks)) == tok.decode(ids)
+    assert "".join(_stream(tok, ids, chunks)) == tok.decode(ids, skip_special_tokens=True)
     ids_sp = [*ids[:3], *tok.encode("<|im_end|>", False), *ids[3:]]
     if tok.eos_token_id is not None:
         ids_sp.append(tok.eos_token_id)
-    for skip in (False, True):
-        pieces = _stream(tok, ids_sp, [1] * len(ids_sp), skip=skip)
-        assert "".join(pieces) == tok.decode(ids_sp, skip_special_tokens=skip)
+    pieces = _stream(tok, ids_sp, [1] * len(ids_sp))
+    assert "".join(pieces) == tok.decode(ids_sp, skip_special_tokens=True)
+    for skip in (False, True):  # the decoder under it, after every id, either way
+        dec = IncrementalDecoder(lambda xs, s=skip: tok.decode(xs, skip_special_tokens=s))
+        for i, t in enumerate(ids_sp):
+            dec.ids.append(t)
+            assert dec.text == tok.decode(ids_sp[: i + 1], skip_special_tokens=skip)
 
 
 def test_stream_decoder_tiny(tiny: Tokenizer) -> None:
@@ -222,15 +230,20 @@ def test_stream_decoder_tiny(tiny: Tokenizer) -> None:
 def test_stream_decoder_holds_incomplete_utf8(tiny: Tokenizer) -> None:
     ids = tiny.encode("😀", add_special_tokens=False)
     assert len(ids) > 1
-    dec = StreamDecoder(tiny)
-    assert [dec.push([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
-    assert dec.push(ids[-1:]) == "😀"
-    assert dec.flush() == ""
-    # an incomplete character left at the end comes out on flush
-    dec = StreamDecoder(tiny)
-    assert dec.push(ids[:1]) == ""
-    assert dec.flush() == tiny.decode(ids[:1])
-    assert dec.push([]) == ""
+    tracker = TextTracker(SimpleNamespace(tokenizer=tiny), ())  # type: ignore[arg-type]
+    held = []
+    for t in ids[:-1]:
+        tracker.push(t)
+        held.append(tracker.release(final=False))
+    assert held == [""] * (len(ids) - 1)
+    tracker.push(ids[-1])
+    assert tracker.release(final=False) == "😀"
+    assert tracker.release(final=True) == ""
+    # an incomplete character left at the end comes out on the final release
+    tracker = TextTracker(SimpleNamespace(tokenizer=tiny), ())  # type: ignore[arg-type]
+    tracker.push(ids[0])
+    assert tracker.release(final=False) == ""
+    assert tracker.release(final=True) == tiny.decode(ids[:1])
 
 
 # ---------------------------------------------------------------- GGUF + cache
@@ -519,7 +532,7 @@ def test_streamed_text_equals_a_whole_decode_in_linear_work(name: str) -> None:
     import random
     from types import SimpleNamespace
 
-    from speculant.scheduler import TextTracker
+    from speculant.detokenize import TextTracker
 
     tok = real_tokenizer(name)
     decoded = [0]

@@ -407,3 +407,18 @@ def choose_batch(
         candidates += [[fit(i, m) for i in range(n)] for m in range(deepest + 1)]
         ks = max(candidates, key=rate)
     return [p.commit(k, limit) for p, k, limit in zip(policies, ks, limits, strict=True)]
+
+
+Policy = FixedK | AdaptiveK
+
+
+def make_policy(k: int | str, plain: bool, costs: PassCosts | None = None) -> Policy:
+    """num_speculative_tokens: an integer 0..64, or "auto" (chosen per step, from the
+    pass costs in `costs`: give the lanes of one engine the same table)."""
+    if plain:
+        return FixedK(0)
+    if k == "auto":
+        return AdaptiveK(costs=costs if costs is not None else PassCosts())
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
+        raise ValueError(f"num_speculative_tokens={k!r} is out of range: use 0..64 or 'auto'")
+    return FixedK(k)

@@ -22,35 +22,8 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from speculant.scheduler import StreamChunk
-
-
-class TokenSplitter:
-    """Turns engine chunks (several tokens, text released so far) into one piece of
-    text per token. The pieces add up exactly to the engine's released text."""
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
-        self.ids: list[int] = []
-        self.released = ""  # all text the engine has released
-        self.sent = 0  # characters of `released` already handed out
-
-    def split(self, chunk: StreamChunk) -> list[str]:
-        """One string per token of the chunk (the last one also takes any text the
-        engine released beyond what its prefix decodes to)."""
-        self.released += chunk.text
-        pieces = []
-        for token in chunk.token_ids:
-            self.ids.append(token)
-            prefix = self.decode(self.ids).rstrip("\ufffd")
-            bound = min(len(self.released), max(self.sent, len(prefix)))
-            pieces.append(self.released[self.sent : bound])
-            self.sent = bound
-        if not chunk.token_ids:
-            pieces.append("")
-        pieces[-1] += self.released[self.sent :]
-        self.sent = len(self.released)
-        return pieces
+from speculant.detokenize import TokenSplitter
+from speculant.requests import StreamChunk
 
 
 class Ticker:

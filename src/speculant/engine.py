@@ -20,23 +20,20 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from speculant.adaptive import FixedK, PassCosts
+from speculant.adaptive import FixedK, PassCosts, make_policy
 from speculant.models.model import Model
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Proposer, make_proposer, spawn_proposer
 from speculant.proposers.base import CachesPrompt
-from speculant.sampling import SamplingParams
-from speculant.scheduler import (
+from speculant.requests import (
     GenerationResult,
     GenerationStats,
-    Lane,
     RequestError,
-    Scheduler,
     StreamChunk,
-    TextTracker,
     check_prompt,
-    make_policy,
 )
+from speculant.sampling import SamplingParams
+from speculant.scheduler import Lane, Scheduler
 
 __all__ = [
     "Engine",
@@ -45,7 +42,6 @@ __all__ = [
     "RequestError",
     "Stream",
     "StreamChunk",
-    "TextTracker",
 ]
 
 

@@ -26,20 +26,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from os.path import commonprefix
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from speculant.adaptive import AdaptiveK, FixedK, Others, PassCosts, StepCost, choose_batch
+from speculant.adaptive import Others, Policy, StepCost, choose_batch
 from speculant.cache import KVCache
+from speculant.detokenize import TextTracker
 from speculant.models.decoder import Segment
 from speculant.models.model import Model
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Draft, Proposer
 from speculant.proposers.base import CachesPrompt
 from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
+from speculant.requests import GenerationResult, GenerationStats, RequestError, StreamChunk
 from speculant.sampling import (
     Coupled,
     SamplingParams,
@@ -50,76 +51,6 @@ from speculant.sampling import (
     process_logits,
     token_logprobs,
 )
-
-Policy = FixedK | AdaptiveK
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (empty prompt, ids out of range, too long)."""
-
-
-@dataclass
-class GenerationStats:
-    """Per-request speculation figures (acceptance is counted as the verifier decided)."""
-
-    prompt_tokens: int = 0
-    num_generated: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [max k drafted]
-    target_forwards: int = 0
-    elapsed_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Emitted tokens per target forward (1.0 for plain decoding)."""
-        return self.num_generated / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        """New tokens over the request's wall time, prefill included."""
-        return self.num_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.target_forwards += 1
-        self.num_drafted += num_drafted
-        self.num_accepted += num_accepted
-        if len(self.accepted_per_position) < num_drafted:
-            self.accepted_per_position.extend([0] * (num_drafted - len(self.accepted_per_position)))
-        for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "num_drafted": self.num_drafted,
-            "num_accepted": self.num_accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_length": self.mean_accepted_length,
-            "accepted_per_position": list(self.accepted_per_position),
-            "target_forwards": self.target_forwards,
-            "tokens_per_second": self.tokens_per_second,
-        }
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    token_ids: list[int]  # new tokens; an end-of-sequence token that stopped it is included
-    text: str  # decoded new text, cut before a stop string, special tokens skipped
-    finish_reason: str  # "stop" (EOS, stop string or stop token), "length", or "cancelled"
-    stats: GenerationStats
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when params.logprobs
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    token_ids: list[int]  # tokens committed by this step
-    text: str  # text that became final with them (may be "" while a stop string could start)
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when params.logprobs
 
 
 @dataclass(frozen=True)
@@ -139,32 +70,6 @@ class Lane:
 
     proposer: Proposer
     policy: Policy
-
-
-def make_policy(k: int | str, plain: bool, costs: PassCosts | None = None) -> Policy:
-    """num_speculative_tokens: an integer 0..64, or "auto" (chosen per step, from the
-    pass costs in `costs`: give the lanes of one engine the same table)."""
-    if plain:
-        return FixedK(0)
-    if k == "auto":
-        return AdaptiveK(costs=costs if costs is not None else PassCosts())
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
-        raise ValueError(f"num_speculative_tokens={k!r} is out of range: use 0..64 or 'auto'")
-    return FixedK(k)
-
-
-def check_prompt(prompt_ids: Sequence[int], vocab: int, max_seq_len: int) -> list[int]:
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise RequestError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise RequestError(f"prompt token id {bad[0]} is out of range: ids are 0..{vocab - 1}")
-    if len(prompt) >= max_seq_len:
-        raise RequestError(
-            f"the prompt has {len(prompt)} tokens, the context holds {max_seq_len}: shorten it"
-        )
-    return prompt
 
 
 class SequenceState:
@@ -194,6 +99,8 @@ class SequenceState:
         tokenizer = target.tokenizer
         eos = frozenset() if params.ignore_eos or tokenizer is None else tokenizer.eos_token_ids
         self.eos = eos | frozenset(params.stop_token_ids)
+        if params.stop and tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this model has none")
         self.text = TextTracker(target, params.stop)
         self.tokens = list(prompt)
         self.output: list[int] = []
@@ -590,91 +497,3 @@ def _row_histories(seq: SequenceState) -> list[list[int]]:
 def _needs_features(lane: Lane) -> bool:
     """Whether the lane's proposer drafts from the target's features (EAGLE)."""
     return bool(getattr(lane.proposer, "needs_features", False))
-
-
-class TextTracker:
-    """Decoded output text, stop-string detection, and what is safe to stream so far.
-
-    The text is decoded once per step (when it is released), or once per token only
-    when stop strings must be checked token by token. Decoding is incremental: the text
-    of ids[:frozen] is kept, and only the tail after it is decoded again. The frozen
-    point moves forward only to a split where decoding the two sides apart gives the
-    same text as decoding them together (a whole UTF-8 character, no space a tokenizer
-    strips or cleans up across the split), so `text` always equals decoding every id at
-    once, and a token costs a decode of a bounded tail instead of the whole output."""
-
-    TAIL = 16  # tokens kept undecided behind the newest one
-
-    def __init__(self, model: Model, stop: tuple[str, ...]) -> None:
-        self.tokenizer = model.tokenizer
-        self.stop = stop
-        self.ids: list[int] = []
-        self._text = ""
-        self._decoded = 0  # len(ids) when _text was decoded
-        self._frozen = 0  # ids[:_frozen] decode to _frozen_text, whatever follows
-        self._frozen_text = ""
-        self.cut: int | None = None  # index of a found stop string
-        self.released = 0
-        if stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer, and this model has none")
-
-    @property
-    def text(self) -> str:
-        if self._decoded != len(self.ids) and self.tokenizer is not None:
-            decode = self.tokenizer.decode
-            tail = decode(self.ids[self._frozen :], skip_special_tokens=True)
-            self._text = self._frozen_text + tail
-            self._decoded = len(self.ids)
-            if len(self.ids) - self._frozen >= 2 * self.TAIL:
-                cut = len(self.ids) - self.TAIL
-                head = decode(self.ids[self._frozen : cut], skip_special_tokens=True)
-                if (
-                    tail.startswith(head)
-                    and decode(self.ids[cut:], skip_special_tokens=True) == tail[len(head) :]
-                ):
-                    self._frozen, self._frozen_text = cut, self._frozen_text + head
-        return self._text
-
-    def push(self, token: int) -> bool:
-        """Add a token; True when a stop string is now complete."""
-        before = self.text if self._decoded == len(self.ids) else None
-        self.ids.append(token)
-        if not self.stop:
-            return False
-        text = self.text
-        # An occurrence inside the text that was already searched and did not change
-        # would have been found then: search from where a stop string could overlap the
-        # changed tail (the new token's text, however long, and any character the new
-        # token completed).
-        lo = 0
-        if before is not None:
-            stable = len(before) if text.startswith(before) else len(commonprefix([before, text]))
-            lo = max(0, stable - max(len(s) for s in self.stop) + 1)
-        hits = [i for s in self.stop if (i := text.find(s, lo)) >= 0]
-        if hits:
-            self.cut = min(hits)
-            return True
-        return False
-
-    def final_text(self) -> str:
-        text = self.text
-        return text if self.cut is None else text[: self.cut]
-
-    def release(self, final: bool) -> str:
-        """Text that can no longer change: hold back an incomplete UTF-8 character and any
-        tail that could still grow into a stop string."""
-        text = self.final_text()
-        end = len(text)
-        if not final and self.cut is None:
-            if text.endswith("\ufffd"):
-                end = len(text.rstrip("\ufffd"))
-            for s in self.stop:
-                for n in range(min(len(s) - 1, end), 0, -1):
-                    if text[:end].endswith(s[:n]):
-                        end = min(end, len(text[:end]) - n)
-                        break
-        if end <= self.released:
-            return ""
-        out = text[self.released : end]
-        self.released = end
-        return out

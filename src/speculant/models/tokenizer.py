@@ -34,7 +34,7 @@ from speculant.models import chat_template as templates
 from speculant.models import tokenizer_cache
 from speculant.models.integrity import file_sha256
 
-__all__ = ["StreamDecoder", "Tokenizer", "TokenizerError"]
+__all__ = ["Tokenizer", "TokenizerError"]
 
 logger = logging.getLogger(__name__)
 
@@ -291,74 +291,6 @@ class Tokenizer:
             backend_json, meta = _meta_from_hf_tokenizer(hf_tok, extra_eos)
             return _from_meta(tokenizers.Tokenizer.from_str(backend_json), meta, source=str(path))
         return _hf_dir_without_transformers(path, extra_eos)
-
-
-class StreamDecoder:
-    """Incremental detokenizer for streaming output.
-
-    ``push`` returns the text completed by the new ids; text that would end in an incomplete UTF-8
-    sequence (decoded as U+FFFD) is held back until more ids arrive or ``flush`` is called. The
-    concatenation of everything ``push``/``flush`` return equals
-    ``tokenizer.decode(all_pushed_ids, skip_special_tokens=...)``.
-
-    ``prompt_ids`` are kept for reference only: the output is defined by the generated ids alone,
-    so the prompt does not change the text.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_ids: Sequence[int] = (),
-        *,
-        skip_special_tokens: bool = False,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.prompt_ids = list(prompt_ids)
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix_offset = 0  # start of the decode window
-        self._read_offset = 0  # ids before this are already emitted
-        self._emitted: list[str] = []
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self._emitted.append(text)
-        return text
-
-    def push(self, ids: Sequence[int]) -> str:
-        if not ids:
-            return ""
-        self.ids.extend(int(i) for i in ids)
-        prefix_text = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""  # nothing new, or an incomplete UTF-8 sequence: wait for more ids
-        if not new_text.startswith(prefix_text):
-            # Not prefix-stable (rare: decoder clean-ups); the window text is authoritative.
-            return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.ids)
-        return self._emit(new_text[len(prefix_text) :])
-
-    def flush(self) -> str:
-        """Everything not returned yet (including held-back incomplete characters)."""
-        full = self._decode(self.ids)
-        emitted = "".join(self._emitted)
-        self._emitted = [emitted]
-        self._prefix_offset = self._read_offset = len(self.ids)
-        if full.startswith(emitted):
-            return self._emit(full[len(emitted) :])
-        # Should not happen for the tokenizers we support; emit the window remainder instead.
-        logger.warning("stream decode diverged from full decode; output may differ slightly")
-        return ""
-
-    @property
-    def text(self) -> str:
-        """Everything returned so far."""
-        return "".join(self._emitted)
 
 
 # ====================================================================== helpers

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from speculant.anomaly import AnomalyVerdict
 from speculant.cadence import Ticker, TokenSplitter, wait_for_slot
+from speculant.requests import GenerationResult, GenerationStats, RequestError, StreamChunk
 from speculant.sampling import TokenLogprob
-from speculant.scheduler import GenerationResult, GenerationStats, RequestError, StreamChunk
 from speculant.server.async_engine import (
     ABORT,
     EngineClient,

@@ -30,13 +30,9 @@ from speculant.anomaly import AcceptanceBaseline, AnomalyVerdict
 from speculant.engine import Engine
 from speculant.models.tokenizer import Tokenizer
 from speculant.prefix_cache import PrefixCache
+from speculant.requests import GenerationResult, GenerationStats, check_prompt
 from speculant.sampling import SamplingParams, TokenLogprob
-from speculant.scheduler import (
-    GenerationResult,
-    GenerationStats,
-    SequenceState,
-    check_prompt,
-)
+from speculant.scheduler import SequenceState
 from speculant.scoring import prompt_logprobs
 from speculant.server.metrics import ServerMetrics
 
