@@ -115,6 +115,25 @@ def test_catch_up_is_kept_out_of_the_draft_costs_and_spaces_probes() -> None:
     assert AdaptiveK(costs=PassCosts({1: 0.1, 2: 0.1})).probe_interval == 16
 
 
+def test_no_probes_while_drafts_could_not_pay_even_if_all_accepted() -> None:
+    """Beside a batch whose pass is compute-bound (each row costs as much as the rest),
+    drafting cannot win even at full acceptance: the policy stops probing (a probe's
+    catch-up would be spent for nothing) and starts again when the batch thins out."""
+    verify = {r: 0.1 * r for r in range(1, 40)}  # every row costs the same
+    draft = {d: 0.05 * d for d in range(1, 9)}
+    policy = _primed(0.5, verify, draft)
+    policy.steps_at_zero = 1  # settled on plain steps
+    busy = Others(rows=7, tokens=7.0, draft_depth=0)
+    ks = [policy.choose(64, busy) for _ in range(200)]
+    assert ks == [0] * 200
+    alone = [policy.choose(64) for _ in range(40)]  # flat enough alone? no: still linear
+    assert alone == [0] * 40
+    cheap = {d: 0.005 * d for d in range(1, 9)}
+    policy.costs = PassCosts({r: 0.1 for r in range(1, 40)}, cheap, steps=10)  # flat, cheap
+    ks = [policy.choose(64, busy) for _ in range(40)]
+    assert 1 in ks  # drafts could pay again: probes resume
+
+
 def test_choice_weighs_the_other_sequences_rows() -> None:
     # A pass is flat up to 4 rows, then each row costs as much as the flat part.
     verify = {r: 0.1 * max(1, r - 3) for r in range(1, 20)}

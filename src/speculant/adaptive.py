@@ -217,6 +217,7 @@ class AdaptiveK:
     probe_s: float = 0.0  # what the last catch-up or probe cost over a plain step
     history: deque[int] = field(default_factory=lambda: deque(maxlen=HISTORY))
     _probing: bool = field(default=False, init=False, repr=False)
+    _hopeless: bool = field(default=False, init=False, repr=False)  # see plan()
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -284,7 +285,13 @@ class AdaptiveK:
             return 0, 0, 0
         if self.steps_at_zero and any(self.tried):
             # Settled on plain steps: only a probe drafts again, since the proposer
-            # must first catch up on every token since it last drafted (probe_s).
+            # must first catch up on every token since it last drafted (probe_s). No
+            # probe while the measured costs say that a probe could not pay at this batch
+            # size even if its draft were accepted (a draft model beside a busy batch on
+            # a few cores): its catch-up would be spent for nothing. (A whole batch
+            # drafting together may still pay where one probe does not: choose_batch
+            # weighs that for sequences that are not settled.)
+            self._hopeless = self.costs.max_depth > 0 and not self._could_pay(limit, others)
             return 0, 0, 0
         most = min(limit, self.k_max, self.costs.max_depth + 1)
 
@@ -293,11 +300,20 @@ class AdaptiveK:
 
         tokens = self._tokens(self.rates())
         best = best_k(tokens)
+        self._hopeless = False
         if best == 0 and best_k(self._tokens(self.rates(self.optimism))) > 0:
             # Drafts may still pay, for all that was measured: draft the way the
             # estimate prices best, and learn more.
             return best_k(tokens, least=1), 1, most
+        if best == 0:  # a lane new to a busy batch does not probe in vain either
+            self._hopeless = self.costs.max_depth > 0 and not self._could_pay(limit, others)
         return best, 0, most
+
+    def _could_pay(self, limit: int, others: Others) -> bool:
+        """Whether some k >= 1 beats a plain step when every draft is accepted."""
+        most = min(limit, self.k_max, self.costs.max_depth + 1)
+        plain = self._rate(0, others, 1.0)
+        return any(self._rate(k, others, k + 1.0) > plain for k in range(1, most + 1))
 
     def commit(self, k: int, limit: int) -> int:
         """Record the k this step drafts; a plain step may become a one-token probe."""
@@ -306,7 +322,7 @@ class AdaptiveK:
         self._probing = False
         if k == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero >= self.probe_interval:
+            if self.steps_at_zero >= self.probe_interval and not self._hopeless:
                 k, self._probing = 1, True  # keep measuring acceptance
                 self.steps_at_zero = 0
         else:
