@@ -41,6 +41,9 @@ def test_longest_whole_block_prefix_is_copied() -> None:
     assert store.lookup(a, KVCache(2, 1, 4, 128, torch.float32), 40) == 2 * BLOCK
     assert store.lookup([5] + a, KVCache(2, 1, 4, 128, torch.float32), 99) == 0
     assert store.hits == 6 * BLOCK and store.queries == 99 + 40 + 99
+    held = store.nbytes
+    store.store(a[:50], _cache(49, seed=1))  # a prefix of what is held: nothing added
+    assert (store.nbytes, store.blocks) == (held, 6)
 
 
 def test_a_hash_collision_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from os.path import commonprefix
 from typing import TYPE_CHECKING
 
+from speculant.requests import RequestError
+
 if TYPE_CHECKING:
     from speculant.models.model import Model
     from speculant.requests import StreamChunk
@@ -70,7 +72,7 @@ class TextTracker:
         self.cut: int | None = None  # index of a found stop string
         self.released = 0
         if stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none")
+            raise RequestError("stop strings need a tokenizer, and this model has none")
 
     @property
     def text(self) -> str:

@@ -63,13 +63,9 @@ class PrefixCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id, oldest first
         self._by_hash: dict[int, int] = {}  # block hash -> id of the newest entry with it
         self._ids = 0
+        self.blocks = 0  # whole blocks of every entry
         self.queries = 0  # prompt tokens looked up
         self.hits = 0  # of those, tokens copied from the cache
-
-    @property
-    def blocks(self) -> int:
-        """Cached blocks (whole blocks of every entry)."""
-        return sum(len(e.keys) for e in self._entries.values())
 
     def lookup(self, prompt: Sequence[int], cache: KVCache, limit: int) -> int:
         """Copy the longest cached prefix of prompt[:limit] (whole blocks) into `cache`,
@@ -102,8 +98,8 @@ class PrefixCache:
             return
         keys = block_hashes(tokens[:n])
         owner = self._by_hash.get(keys[-1])
-        if owner is not None and self._entries[owner].tokens == list(tokens[:n]):
-            self._entries.move_to_end(owner)  # already held whole
+        if owner is not None and self._entries[owner].tokens[:n] == list(tokens[:n]):
+            self._entries.move_to_end(owner)  # held already, alone or as a longer one's prefix
             return
         entry = _Entry(
             list(tokens[:n]),
@@ -118,12 +114,14 @@ class PrefixCache:
         for h in keys:
             self._by_hash[h] = self._ids
         self.nbytes += entry.nbytes
+        self.blocks += len(keys)
         while self.nbytes > self.max_bytes:
             self._evict()
 
     def _evict(self) -> None:
         old_id, old = self._entries.popitem(last=False)
         self.nbytes -= old.nbytes
+        self.blocks -= len(old.keys)
         orphaned = [h for h in old.keys if self._by_hash.get(h) == old_id]
         for h in orphaned:
             del self._by_hash[h]

@@ -40,6 +40,22 @@ class GenerationStats:
         """New tokens over the request's wall time, prefill included."""
         return self.num_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    @classmethod
+    def total(cls, parts: Sequence[GenerationStats]) -> GenerationStats:
+        """The figures of several sequences (the choices of one request) together."""
+        out = cls()
+        for s in parts:
+            out.prompt_tokens = max(out.prompt_tokens, s.prompt_tokens)
+            out.num_generated += s.num_generated
+            out.num_drafted += s.num_drafted
+            out.num_accepted += s.num_accepted
+            out.target_forwards += s.target_forwards
+            per = out.accepted_per_position
+            per.extend([0] * (len(s.accepted_per_position) - len(per)))
+            for j, a in enumerate(s.accepted_per_position):
+                per[j] += a
+        return out
+
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.target_forwards += 1
         self.num_drafted += num_drafted
@@ -77,13 +93,18 @@ class StreamChunk:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when params.logprobs
 
 
+def check_token_ids(ids: Sequence[int], vocab: int, what: str = "token id") -> None:
+    """Refuse an id outside the vocabulary, naming it and the range."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"{what} {bad[0]} is out of range: ids are 0..{vocab - 1}")
+
+
 def check_prompt(prompt_ids: Sequence[int], vocab: int, max_seq_len: int) -> list[int]:
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise RequestError("the prompt is empty: give at least one token")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise RequestError(f"prompt token id {bad[0]} is out of range: ids are 0..{vocab - 1}")
+    check_token_ids(prompt, vocab, "prompt token id")
     if len(prompt) >= max_seq_len:
         raise RequestError(
             f"the prompt has {len(prompt)} tokens, the context holds {max_seq_len}: shorten it"

@@ -40,7 +40,7 @@ from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Draft, Proposer
 from speculant.proposers.base import CachesPrompt
 from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
-from speculant.requests import GenerationResult, GenerationStats, RequestError, StreamChunk
+from speculant.requests import GenerationResult, GenerationStats, StreamChunk
 from speculant.sampling import (
     Coupled,
     SamplingParams,
@@ -99,8 +99,6 @@ class SequenceState:
         tokenizer = target.tokenizer
         eos = frozenset() if params.ignore_eos or tokenizer is None else tokenizer.eos_token_ids
         self.eos = eos | frozenset(params.stop_token_ids)
-        if params.stop and tokenizer is None:
-            raise RequestError("stop strings need a tokenizer, and this model has none")
         self.text = TextTracker(target, params.stop)
         self.tokens = list(prompt)
         self.output: list[int] = []

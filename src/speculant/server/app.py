@@ -19,7 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from speculant.anomaly import AnomalyVerdict
 from speculant.cadence import Ticker, TokenSplitter, wait_for_slot
-from speculant.requests import GenerationResult, GenerationStats, RequestError, StreamChunk
+from speculant.requests import (
+    GenerationResult,
+    GenerationStats,
+    RequestError,
+    StreamChunk,
+    check_token_ids,
+)
 from speculant.sampling import TokenLogprob
 from speculant.server.async_engine import (
     ABORT,
@@ -212,10 +218,9 @@ async def _serve(
         ("stop_token_ids", list(req.stop_token_ids)),
     ):
         try:
-            engine.check_prompt(ids or [0])
+            check_token_ids(ids, engine.vocab_size)
         except RequestError as exc:
-            message = str(exc).replace("prompt token id", "token id")
-            raise APIError(f"{name}: {message}", param=name, code="invalid_value") from None
+            raise APIError(f"{name}: {exc}", param=name, code="invalid_value") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     scored = req.logprobs if req.echo else None
     echo = _echo_text(engine, req, prompt_ids) if req.echo else ""
@@ -270,16 +275,7 @@ def _usage(
     anomaly: AnomalyVerdict | None = None,
 ) -> dict[str, Any]:
     """Token counts and speculation figures, summed over the choices."""
-    s = GenerationStats()
-    for r in results:
-        s.target_forwards += r.stats.target_forwards
-        s.num_drafted += r.stats.num_drafted
-        s.num_accepted += r.stats.num_accepted
-        s.num_generated += len(r.token_ids)
-        per = r.stats.accepted_per_position
-        s.accepted_per_position.extend([0] * (len(per) - len(s.accepted_per_position)))
-        for j, a in enumerate(per):
-            s.accepted_per_position[j] += a
+    s = GenerationStats.total([r.stats for r in results])
     n = s.num_generated
     return {
         "prompt_tokens": prompt_len,
@@ -434,9 +430,11 @@ async def _whole(
         raise _error_of(failed or RequestOutput("", [], error="the request ended early"))
     req, engine = reply.req, reply.engine
     choices = []
+    finals: list[GenerationResult] = []
     for index in range(req.n):
         result = results[index].result
         assert result is not None
+        finals.append(result)
         if req.echo and req.logprobs is not None:
             logprobs = reply.logprobs(prompt_scores, True, index)
             more = reply.logprobs(result.logprobs or [], False, index)
@@ -445,7 +443,6 @@ async def _whole(
             logprobs = reply.logprobs(result.logprobs or [], False, index)
         text = reply.echo + result.text
         choices.append(reply.choice(text, _finish(result), False, False, logprobs, index))
-    finals = [results[i].result for i in range(req.n)]
     return JSONResponse(
         {
             "id": reply.rid,
@@ -453,9 +450,7 @@ async def _whole(
             "created": int(time.time()),
             "model": engine.model_name,
             "choices": choices,
-            "usage": _usage(
-                engine, len(reply.prompt_ids), [r for r in finals if r], results[0].anomaly
-            ),
+            "usage": _usage(engine, len(reply.prompt_ids), finals, results[0].anomaly),
         }
     )
 

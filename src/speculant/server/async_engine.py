@@ -80,6 +80,7 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    vocab_size: int
     tokenizer: Tokenizer
     metrics: ServerMetrics
     method: str
@@ -160,6 +161,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_seq_len
+        self.vocab_size = engine.target.vocab_size
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
         self.request_timeout = request_timeout
@@ -202,7 +204,7 @@ class AsyncEngine:
     # -- the client side (event loop) ---------------------------------------------------
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        return check_prompt(prompt_ids, self.engine.target.vocab_size, self.max_model_len)
+        return check_prompt(prompt_ids, self.vocab_size, self.max_model_len)
 
     def generate(
         self,
@@ -274,11 +276,16 @@ class AsyncEngine:
         for req in queue:
             if req.cancelled:
                 continue
-            if not waiting and (running + req.n <= self.max_num_seqs or running == 0):
+            if not waiting and self._fits(running, req.n):
                 running += req.n
             else:
                 waiting += 1
         return waiting
+
+    def _fits(self, running: int, n: int) -> bool:
+        """Whether n more sequences join a batch of `running` now: while there is room,
+        and a request wider than the batch when nothing runs (alone)."""
+        return running + n <= self.max_num_seqs or running == 0
 
     def _retry_after(self) -> int:
         """Seconds until a waiting place likely frees: a slot frees every mean service
@@ -334,20 +341,16 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            ended: list[tuple[_Request, str]] = []  # (request, why): timeout or abort
             with self._cv:
                 while not self._stop and not self._waiting and not self._active:
                     self._cv.wait()
                 if self._stop:
                     break
                 cancelled = [r for r in self._active.values() if r.cancelled]
-                ended = self._overdue()
+                ended = self._overdue()  # (request, why): timeout or abort
                 admit: list[_Request] = []
                 running = sum(r.n - r.finished for r in self._active.values())
-                while self._waiting and (
-                    running + self._waiting[0].n <= self.max_num_seqs
-                    or not (self._active or admit)  # n > max_num_seqs: runs alone
-                ):
+                while self._waiting and self._fits(running, self._waiting[0].n):
                     req = self._waiting.popleft()
                     if not req.cancelled:
                         admit.append(req)
