@@ -358,7 +358,13 @@ def test_tuning_knobs_change_no_result() -> None:
     before = native.tuning()
     want = matrix.matmul(x, threads=2)
     try:
-        for knob, value in [("prefetch_rows", 0), ("prefetch_bytes", 8192), ("max_chunk_cols", 4)]:
+        for knob, value in [
+            ("prefetch_rows", 0),
+            ("prefetch_inline", 64),
+            ("prefetch_inline", 0),
+            ("prefetch_bytes", 8192),
+            ("max_chunk_cols", 4),
+        ]:
             native.tune(knob, value)
             native.tune("chunks_per_thread", 1 if knob == "max_chunk_cols" else 64)
             assert torch.equal(matrix.matmul(x, threads=2), want), knob

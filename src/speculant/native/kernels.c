@@ -379,7 +379,7 @@ static void repack_rows(int type, const uint8_t *src, int64_t K, int64_t r0, int
 typedef struct {
     float d;
     int16_t bsums[16]; /* sums of the codes of values 16i .. 16i + 15 */
-    int32_t bs32[8];   /* sums of the codes of values 32i .. 32i + 31 */
+    float bs32f[8];    /* sums of the codes of values 32i .. 32i + 31 (exact as floats) */
     int8_t q16[256];   /* the codes by 16 (for Q6_K) */
     int8_t q32[256];   /* the codes by 32 (for Q4_K) */
 } xk_t;
@@ -476,7 +476,7 @@ static void quantize_row_k(const float *x, int64_t K, xk_t *out, int path) {
             for (int i = 0; i < 16; i++) sum += q[j * 16 + i];
             out[b].bsums[j] = (int16_t)sum;
         }
-        for (int j = 0; j < 8; j++) out[b].bs32[j] = out[b].bsums[2 * j] + out[b].bsums[2 * j + 1];
+        for (int j = 0; j < 8; j++) out[b].bs32f[j] = (float)(out[b].bsums[2 * j] + out[b].bsums[2 * j + 1]);
         permute_words(q, g_from16, out[b].q16);
         permute_words(q, g_from32, out[b].q32);
     }
@@ -594,11 +594,14 @@ static void cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t 
                         const xk_t *xb = jb->xk + (r0 + r) * nu + u;
                         const uint8_t *sc = unit + 4, *mn = unit + 12;
                         lane_dots(reg, xb->q32, lo, hi);
-                        const float d = h2f(rd16(unit)), ndmin = -h2f(rd16(unit + 2));
+                        const float d = h2f(rd16(unit)), dmin = h2f(rd16(unit + 2));
                         for (int l = 0; l < 8; l++) {
-                            int32_t s = sc[l] * (lo[l] + hi[l]);
-                            int32_t mm = mn[l] * xb->bs32[l];
-                            float v = fmaf((float)mm, ndmin, (float)s * d);
+                            /* d sc and dmin mn are exact (11-bit halves times 6-bit
+                             * integers), as are the sums as floats: v is the one rounding
+                             * of (lo + hi) sc d - bs32 mn dmin, and the vector paths form
+                             * d sc and dmin mn once for all the rows of a tile */
+                            const float dsc = d * (float)sc[l], ndmn = -(dmin * (float)mn[l]);
+                            float v = fmaf(xb->bs32f[l], ndmn, (float)(lo[l] + hi[l]) * dsc);
                             acc[r][l] = fmaf(v, xb->d, acc[r][l]);
                         }
                     } else if (type == T_Q6_K) {
@@ -651,6 +654,16 @@ static inline int kind_of(int type) {
     }
 }
 
+/* Weight prefetch, for tiles of at least g_prefetch_rows rows: each tile asks for the
+ * lines g_prefetch_inline bytes past every weight unit it reads (a chunk's columns are
+ * contiguous, so this runs on into the next columns); with g_prefetch_inline 0, cols_run
+ * asks for whole columns g_prefetch_bytes ahead instead. Measured on a Zen 4 EPYC, all
+ * the 1.5B's matrices, interleaved with the whole-column prefetch: 1 row 0.98x, 2 rows
+ * 0.89x, 4 rows 0.87x, 8 rows 0.87x, 16 rows 0.70x of its time; the FFN's down
+ * projection (5 KiB columns) at 8 rows 0.74x. */
+static int g_prefetch_rows = 1;
+static int g_prefetch_inline = 2048;
+
 #ifdef SPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -686,15 +699,12 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #define TL_PIN(v) __asm__("" : "+v"(v))
 #include "tiles.h"
 
-/* Tuning, set by spec_tune (benchmarks); no result depends on them. A pass may ask for
- * the weights g_prefetch_bytes ahead when it has at least g_prefetch_rows rows (below
- * that the hardware prefetcher measured faster on a Zen 4 EPYC once a block took few
- * instructions: a 1-row pass 52 -> 41 ms with longer chunks; at 8 rows asking 2 KiB
- * ahead measured 128 -> 117 ms). Threads take chunks of about columns / (threads x
+/* Tuning, set by spec_tune (benchmarks); no result depends on them. With inline
+ * prefetch off, a pass may ask for whole columns g_prefetch_bytes ahead when it has at
+ * least g_prefetch_rows rows. Threads take chunks of about columns / (threads x
  * g_chunks_per_thread) columns, at most g_max_chunk_cols: long runs of contiguous
  * weights for each core's stream. */
 static int g_prefetch_bytes = 2048;
-static int g_prefetch_rows = 5;
 static int g_chunks_per_thread = 8;
 static int g_max_chunk_cols = 512;
 
@@ -718,7 +728,7 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
     const int cols = one_tile ? 1 : ts->cols;
     const int64_t tile_rows = one_tile ? jb->m : MANY_ROWS_TILE;
     const int64_t rb = one_tile ? jb->m : jb->row_block;
-    const int64_t pf_bytes = jb->m >= g_prefetch_rows ? g_prefetch_bytes : 0;
+    const int64_t pf_bytes = jb->m >= g_prefetch_rows && !g_prefetch_inline ? g_prefetch_bytes : 0;
     const int64_t ahead = (pf_bytes + p->row_bytes - 1) / p->row_bytes;
     for (int64_t b0 = 0; b0 < jb->m; b0 += rb) {
         const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m;
@@ -944,15 +954,16 @@ int spec_set_path(int path) {
 
 int spec_active_path(void) { return resolve_path(); }
 
-/* Benchmark knobs (results never depend on them): 0 the prefetch distance in bytes, 1 the
- * fewest rows a pass prefetches for, 2 chunks per thread, 3 the most columns in a chunk.
+/* Benchmark knobs (results never depend on them): 0 the whole-column prefetch distance in
+ * bytes, 1 the fewest rows a tile prefetches for, 2 chunks per thread, 3 the most columns
+ * in a chunk, 4 the inline prefetch distance in bytes (0: whole columns instead).
  * A value of -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value
- * below the knob's least (0, 0, 1, 4). */
+ * below the knob's least (0, 0, 1, 4, 0). */
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
-                                 &g_max_chunk_cols};
-    static const int least[] = {0, 0, 1, 4};
-    if (knob < 0 || knob > 3) return -1;
+                                 &g_max_chunk_cols, &g_prefetch_inline};
+    static const int least[] = {0, 0, 1, 4, 0};
+    if (knob < 0 || knob > 4) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
     if (value < least[knob]) return -2;

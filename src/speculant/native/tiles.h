@@ -53,9 +53,14 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     __m256 acc[MAX_ROWS_TILE][TL_COLS];
     for (int r = 0; r < R; r++)
         for (int cc = 0; cc < C; cc++) acc[r][cc] = _mm256_setzero_ps();
+    const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_inline : 0;
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *blk[TL_COLS];
-        for (int cc = 0; cc < C; cc++) blk[cc] = wrow[cc] + u * ub;
+        for (int cc = 0; cc < C; cc++) {
+            blk[cc] = wrow[cc] + u * ub;
+            if (pfd)
+                for (int64_t o = 0; o < ub; o += 64) _mm_prefetch((const char *)blk[cc] + pfd + o, _MM_HINT_T0);
+        }
         /* Q6_K: A sums registers 0-3, B registers 4-7; Q4_K: A sums all 8 (or A and B
          * split as Q6_K's, added before the scale, in tiles of up to 2 rows) */
         __m256i A[MAX_ROWS_TILE][TL_COLS], B[MAX_ROWS_TILE][TL_COLS];
@@ -119,15 +124,16 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
                 const __m256 dmin = _mm256_cvtph_ps(_mm_set1_epi16((short)rd16(bk + 2)));
                 const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bk + 4)));
                 const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bk + 12)));
+                /* exact products, formed once for the tile's rows (see cols_portable) */
+                const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                const __m256 dmn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
                 for (int r = 0; r < R; r++) {
                     const xk_t *xb = xrow[r] + u;
                     __m256i a = A[r][cc];
                     if (R <= 2) a = _mm256_add_epi32(a, B[r][cc]);
-                    const __m256i s = _mm256_mullo_epi32(a, sc);
-                    const __m256i mm = _mm256_mullo_epi32(TL_FN(load)(xb->bs32), mn);
-                    /* -(mm dmin) + s d: one rounding, as fmaf(mm, -dmin, s d) */
-                    const __m256 v = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mm), dmin,
-                                                      _mm256_mul_ps(_mm256_cvtepi32_ps(s), d));
+                    /* -(bs32 mn dmin) + a sc d: one rounding, as the portable fmaf */
+                    const __m256 v = _mm256_fnmadd_ps(_mm256_loadu_ps(xb->bs32f), dmn,
+                                                      _mm256_mul_ps(_mm256_cvtepi32_ps(a), dsc));
                     acc[r][cc] = _mm256_fmadd_ps(v, _mm256_broadcast_ss(&xb->d), acc[r][cc]);
                 }
             }
@@ -156,9 +162,14 @@ TL_FN(lg_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     __m256 acc[MAX_ROWS_TILE][TL_COLS];
     for (int r = 0; r < R; r++)
         for (int cc = 0; cc < C; cc++) acc[r][cc] = _mm256_setzero_ps();
+    const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_inline : 0;
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *g[TL_COLS];
-        for (int cc = 0; cc < C; cc++) g[cc] = wrow[cc] + u * ub;
+        for (int cc = 0; cc < C; cc++) {
+            g[cc] = wrow[cc] + u * ub;
+            if (pfd)
+                for (int64_t o = 0; o < ub; o += 64) _mm_prefetch((const char *)g[cc] + pfd + o, _MM_HINT_T0);
+        }
         /* lane l: block l in every register, so one sum */
         __m256i A[MAX_ROWS_TILE][TL_COLS];
         for (int r = 0; r < R; r++)
