@@ -1,5 +1,6 @@
 """`speculant bench`: flags into a BenchConfig, a progress bar while it runs, then the
-table, results.json, results.csv and plots."""
+table, results.json, results.csv and plots. `speculant bench --serve`: flags into a
+ServeConfig (speculant.bench.serve), the server-load benchmark."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ examples:
   speculant bench --workloads code,extraction --methods ngram,suffix --k 3,5,8
   speculant bench --methods draft --peers transformers-assisted,llama.cpp-lookup
   speculant bench --target smollm2-135m-instruct --methods ngram,suffix --peers all --limit 1
+
+server load (--serve: the real server on loopback, concurrent streaming requests):
+  speculant bench --serve                                        # none, draft:3, ngram:3 at c=1,4,8
+  speculant bench --serve --methods ngram:3,draft:auto --concurrency 1,2 --max-tokens 16
+  speculant bench --serve --prefix-caching on,off --max-num-batched-tokens 0,32
+  speculant bench --serve --no-load --methods draft:3 --long-prompt-join --chat-second-turn
+  speculant bench --serve --no-load --methods draft:auto,ngram:3 --batch --batch-seqs 8
 
 method specs: METHOD[:K[:SKIP_RATIO]]; a METHOD without K runs once per k in --k.
 peers: """
@@ -58,6 +66,144 @@ def _workloads(text: str) -> list[str]:
     return names
 
 
+def _int_list(least: int) -> Any:
+    def parse(text: str) -> list[int]:
+        values = []
+        for part in _csv(text):
+            try:
+                value = int(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{part!r}: use comma-separated integers >= {least}"
+                ) from None
+            if value < least:
+                raise argparse.ArgumentTypeError(
+                    f"{value} is out of range: use comma-separated integers >= {least}"
+                )
+            values.append(value)
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: give at least one integer >= {least}")
+        return list(dict.fromkeys(values))
+
+    return parse
+
+
+def _on_off(text: str) -> list[bool]:
+    words = {"on": [True], "off": [False], "both": [True, False]}
+    out: list[bool] = []
+    for part in _csv(text.lower()):
+        if part not in words:
+            raise argparse.ArgumentTypeError(f"{part!r}: use on, off, both or on,off")
+        out += [v for v in words[part] if v not in out]
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: use on, off, both or on,off")
+    return out
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The --serve group: the server-load benchmark and its scenarios."""
+    g = p.add_argument_group(
+        "server load (--serve)",
+        "Speculation under concurrent load, through the real server. For each configuration\n"
+        "in --methods (default draft:3,ngram:3; plain decoding `none` always runs first, the\n"
+        "baseline), each --prefix-caching setting, each --max-num-batched-tokens budget and\n"
+        "each --concurrency level c, `speculant serve`'s app is started on a loopback port in\n"
+        "this process and c streaming chat requests (first turns of the first workload in\n"
+        "--workloads, default code) are sent at once with the official openai client (pip\n"
+        "install openai). Reported per row: time to first token and inter-token latency (gaps\n"
+        "between a stream's content chunks) p50 / p99, aggregate tokens/s and requests/s,\n"
+        "acceptance and tokens per target pass (from the responses' usage), speedup over\n"
+        "plain decoding at the same c, and for greedy or seeded runs whether every text\n"
+        "equals plain decoding's (exit status 1 if not). Requests ignore EOS: each generates\n"
+        "--max-tokens (default 32 with --serve). Writes results.json, results.md and\n"
+        "serve_concurrency.png under --out. See docs/benchmarks.md.",
+    )
+    g.add_argument(
+        "--serve", action="store_true", help="run the server-load benchmark instead of the suite"
+    )
+    g.add_argument(
+        "--concurrency",
+        type=_int_list(1),
+        default=[1, 4, 8],
+        metavar="C,...",
+        help="concurrent requests per level (default 1,4,8; on 2 cores each level of 8 "
+        "with a 1.5B target takes minutes)",
+    )
+    g.add_argument(
+        "--prefix-caching",
+        type=_on_off,
+        default=[True],
+        metavar="on|off|both",
+        help="the server's prefix cache: on (default, as `speculant serve`), off, or both "
+        "to compare (each level starts with a fresh cache)",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=_int_list(0),
+        default=[32],
+        metavar="N,...",
+        help="prefill budgets (rows per pass that prompt chunks share with decoding; 0: "
+        "prefill each prompt whole): the load sweep runs once per value, and "
+        "--long-prompt-join measures each (default 32, `speculant serve`'s)",
+    )
+    g.add_argument(
+        "--no-load",
+        action="store_true",
+        help="skip the concurrency sweep: run only the scenarios below",
+    )
+    g.add_argument(
+        "--long-prompt-join",
+        action="store_true",
+        help="scenario: a chat stream runs alone, then while a --long-tokens prompt joins "
+        "at its 5th step, once per --max-num-batched-tokens budget; reports the stream's "
+        "per-token latency p50 / p99 / max from the join to the long prompt's first token, "
+        "and that prompt's time to first token (what chunked prefill buys running streams)",
+    )
+    g.add_argument(
+        "--long-tokens",
+        type=positive_int,
+        metavar="N",
+        default=512,
+        help="length of the joining prompt, in tokens (default 512; performance.md uses 1500)",
+    )
+    g.add_argument(
+        "--stream-tokens",
+        type=positive_int,
+        metavar="N",
+        default=64,
+        help="new tokens of the running stream (default 64; it must still run when the "
+        "long prompt's first token comes, or fewer gaps are measured)",
+    )
+    g.add_argument(
+        "--chat-second-turn",
+        action="store_true",
+        help="scenario: a chat's first turn (a --history-tokens message) and its second turn, "
+        "without and with the prefix cache: time to first token of each",
+    )
+    g.add_argument(
+        "--history-tokens",
+        type=positive_int,
+        metavar="N",
+        default=512,
+        help="length of the chat's first message, in tokens (default 512; performance.md "
+        "uses 1000)",
+    )
+    g.add_argument(
+        "--batch",
+        action="store_true",
+        help="scenario: --batch-seqs chat requests decoded together in one scheduler, plain "
+        "decoding against each configuration, each twice on one engine (the second run "
+        "knows the pass costs the first measured): does speculation pay beside a busy batch?",
+    )
+    g.add_argument(
+        "--batch-seqs",
+        type=positive_int,
+        metavar="N",
+        default=8,
+        help="sequences decoded together by --batch (default 8)",
+    )
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` on the `speculant` command's subparsers."""
     p = subparsers.add_parser(
@@ -82,8 +228,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--methods",
         type=_csv,
         default=None,
-        help="comma-separated METHOD[:K[:SKIP_RATIO]] (default: every proposer); "
-        "'none', the baseline, always runs",
+        help="comma-separated METHOD[:K[:SKIP_RATIO]] (default: every proposer; with "
+        "--serve: draft:3,ngram:3); 'none', the baseline, always runs",
     )
     p.add_argument(
         "--k",
@@ -117,7 +263,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="head folder for method eagle (eagle[:K[:TOPK[:TOKENS]]], e.g. eagle:5:1 a "
         "chain, eagle:5:4:16 a tree)",
     )
-    p.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per generation")
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        help="new tokens per generation (default 128; with --serve 32 per request)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (lossless check)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -142,6 +293,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="power per busy core for the energy estimate, when RAPL counters are unreadable",
     )
     p.add_argument("--trust-unverified", action="store_true", help="load unverified GGUF files")
+    add_serve_args(p)
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -181,6 +333,8 @@ class _RichProgress:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        return cmd_bench_serve(args)
     import torch
     from rich.console import Console
 
@@ -214,7 +368,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         limit=args.limit,
         peer_limit=args.peer_limit,
         eagle_head=args.eagle_head,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens or 128,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -245,4 +399,89 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     if config.reproducible:
         out.print("[green]lossless check passed[/]: every method matched plain decoding")
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """`speculant bench --serve`: the server-load benchmark and its scenarios."""
+    import torch
+    from rich.console import Console
+
+    from speculant.bench.serve import (
+        ServeConfig,
+        render_tables,
+        run_serve_bench,
+        write_serve_outputs,
+    )
+    from speculant.models.model import load_model
+
+    if args.peers:
+        raise ValueError("--peers does not apply to --serve: peers run in `speculant bench`")
+    if args.no_load and not (args.long_prompt_join or args.chat_second_turn or args.batch):
+        raise ValueError(
+            "--no-load leaves nothing to run: add --long-prompt-join, --chat-second-turn or --batch"
+        )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    config = ServeConfig(
+        methods=args.methods,
+        ks=args.k,
+        concurrency=args.concurrency,
+        prefix_caching=args.prefix_caching,
+        budgets=args.max_num_batched_tokens,
+        workload=args.workloads[0],
+        max_tokens=args.max_tokens or 32,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        load=not args.no_load,
+        long_prompt_join=args.long_prompt_join,
+        long_tokens=args.long_tokens,
+        stream_tokens=args.stream_tokens,
+        chat_second_turn=args.chat_second_turn,
+        history_tokens=args.history_tokens,
+        batch=args.batch,
+        batch_seqs=args.batch_seqs,
+        eagle_head=args.eagle_head,
+        warmup=not args.no_warmup,
+    )
+    specs = config.specs  # fail on a bad spec before loading models
+    if config.load:
+        from speculant.bench.serve import require_openai
+
+        require_openai()
+    trust = args.trust_unverified
+    target = load_model(args.target, dtype=args.dtype, trust_unverified=trust)
+    draft = None
+    if any(s.method == "draft" for s in specs):
+        draft = load_model(
+            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
+        )
+    if args.threads is None:
+        from speculant import native
+
+        native.share_cores_if_native(target, draft)
+    console = Console(stderr=True)
+    command = "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result = run_serve_bench(
+        target,
+        draft,
+        config,
+        command=command,
+        log=lambda text: console.print(text, markup=False, highlight=False),
+    )
+    out = Console() if sys.stdout.isatty() else Console(width=150)
+    for table in render_tables(result):
+        out.print(table)
+    paths = write_serve_outputs(result, args.out, plots=not args.no_plots)
+    out.print("wrote " + ", ".join(str(p) for p in paths))
+    if result.lossless_failures:
+        out.print(
+            "[bold red]identical-text check FAILED[/] (greedy or seeded text differs from "
+            "plain decoding): " + "; ".join(result.lossless_failures)
+        )
+        return 1
+    if result.lossless_checked:
+        out.print("[green]identical-text check passed[/]: every configuration matched plain")
     return 0
