@@ -720,26 +720,29 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
     const int kind = kind_of(p->type);
     /* A pass of up to ts->rows rows (a decode step or a verify pass) is one tile, a
      * column at a time: each weight block is decoded once for all its rows. More rows (a
-     * prefill) go a block of rows at a time, in tiles of MANY_ROWS_TILE over pairs of
-     * columns, so that the block's quantized activations stay in L2 while the chunk's
-     * columns pass over them; column outer, row tiles inner, so a column's blocks stay in
-     * L1 across the tiles. */
-    const int one_tile = jb->m <= ts->rows;
-    const int cols = one_tile ? 1 : ts->cols;
-    const int64_t tile_rows = one_tile ? jb->m : MANY_ROWS_TILE;
-    const int64_t rb = one_tile ? jb->m : jb->row_block;
+     * prefill) go a block of rows at a time, in tiles of up to MANY_ROWS_TILE rows (of
+     * balanced heights: 9 rows are 3 + 3 + 3, not 4 + 4 + 1) over pairs of columns, so
+     * that the block's quantized activations stay in L2 while the chunk's columns pass
+     * over them; column outer, row tiles inner, so a column's blocks stay in L1 across
+     * the tiles. (One-column tiles of 8 rows measured slower from 16 rows on, in L2 on
+     * a Zen 4 EPYC: 10.0 against 9.3 cycles per row and Q4_K block.) */
+    const int one_col = jb->m <= ts->rows;
+    const int cols = one_col ? 1 : ts->cols;
+    const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
+    const int64_t rb = one_col ? jb->m : jb->row_block;
     const int64_t pf_bytes = jb->m >= g_prefetch_rows && !g_prefetch_inline ? g_prefetch_bytes : 0;
     const int64_t ahead = (pf_bytes + p->row_bytes - 1) / p->row_bytes;
     for (int64_t b0 = 0; b0 < jb->m; b0 += rb) {
-        const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m;
+        const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m, rows = b1 - b0;
+        const int64_t ntiles = (rows + tile_rows - 1) / tile_rows;
         int64_t next = c0; /* the next column to ask for */
         for (int64_t c = c0; c < c1;) {
             const int C = c1 - c >= cols ? cols : 1;
             if (ahead && b0 == 0) /* the first row block reads the weights from memory */
                 prefetch_cols(p, &next, c + C + ahead < p->n ? c + C + ahead : p->n);
-            for (int64_t r0 = b0; r0 < b1; r0 += tile_rows) {
-                const int64_t R = b1 - r0 < tile_rows ? b1 - r0 : tile_rows;
-                ts->fn[kind][R - 1][C - 1](jb, p, r0, c);
+            for (int64_t t = 0; t < ntiles; t++) { /* tiles of balanced heights */
+                const int64_t r0 = b0 + rows * t / ntiles, r1 = b0 + rows * (t + 1) / ntiles;
+                ts->fn[kind][r1 - r0 - 1][C - 1](jb, p, r0, c);
             }
             c += C;
         }
