@@ -215,12 +215,16 @@ def test_attention_row_alone_equals_row_in_any_pass(path: str) -> None:
     assert torch.equal(again, full)
 
 
-def test_attention_and_norm_paths_agree_bitwise() -> None:
+@pytest.mark.parametrize(("hd", "nh", "nkv"), [(8, 8, 2), (72, 18, 2), (128, 8, 2), (136, 3, 3)])
+def test_attention_and_norm_paths_agree_bitwise(hd: int, nh: int, nkv: int) -> None:
+    """Every path, bitwise: head sizes with and without a remainder past the vector code's
+    64-value blocks, key counts with and without one past its groups of 4, query heads per
+    key/value head from 1 to 9 (more than the vector code takes at once)."""
     if "avx2" not in native.paths():
         pytest.skip("this CPU has only the portable path")
-    keys, values = _cache(2, 300, 128, 5)
-    q = torch.randn(8, 7, 128, generator=torch.Generator().manual_seed(6))
-    lo, hi = torch.zeros(7, dtype=torch.int64), torch.arange(290, 297)
+    keys, values = _cache(nkv, 300, hd, 5)
+    q = torch.randn(nh, 7, hd, generator=torch.Generator().manual_seed(6))
+    lo, hi = torch.tensor([0, 0, 0, 5, 0, 1, 0]), torch.arange(290, 297)
     x, w = torch.randn(9, 1536), torch.randn(1536)
     out = {}
     try:

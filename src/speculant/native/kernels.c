@@ -1150,12 +1150,6 @@ AVX2 static float dot8_avx2(const float *a, const float *b, int64_t n) {
     return hsum8_avx(acc);
 }
 
-AVX2 static void axpy_avx2(float *y, float p, const float *v, int64_t n) {
-    const __m256 pv = _mm256_set1_ps(p);
-    for (int64_t i = 0; i < n; i += 8)
-        _mm256_storeu_ps(
-            y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_mul_ps(pv, _mm256_loadu_ps(v + i))));
-}
 #endif
 
 typedef struct {
@@ -1169,7 +1163,7 @@ typedef struct {
     atomic_int failed; /* a pair's score buffer could not be allocated */
 } attn_t;
 
-/* One (query head, query row) pair: chunk = h * T + t. */
+/* One (query head, query row) pair, the portable code: chunk = h * T + t. */
 static void attend_one(const void *ctx, int64_t chunk) {
     const attn_t *a = ctx;
     const int64_t h = chunk / a->T, t = chunk % a->T;
@@ -1178,14 +1172,6 @@ static void attend_one(const void *ctx, int64_t chunk) {
     const float *keys = a->k + g * a->rows * a->hd, *vals = a->v + g * a->rows * a->hd;
     float *o = a->out + t * a->o_t + h * a->o_h;
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
-    float (*dot)(const float *, const float *, int64_t) = dot8_portable;
-    void (*axpy)(float *, float, const float *, int64_t) = axpy_portable;
-#ifdef SPEC_X86
-    if (a->path >= PATH_AVX2) { /* the AVX-512 paths take the same 256-bit float code */
-        dot = dot8_avx2;
-        axpy = axpy_avx2;
-    }
-#endif
     for (int64_t i = 0; i < a->hd; i++) o[i] = 0.0f;
     if (n <= 0) return;
     float stack[1024];
@@ -1194,6 +1180,8 @@ static void attend_one(const void *ctx, int64_t chunk) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
     }
+    float (*dot)(const float *, const float *, int64_t) = dot8_portable;
+    void (*axpy)(float *, float, const float *, int64_t) = axpy_portable;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         s[j] = dot(q, keys + (lo + j) * a->hd, a->hd) * a->scale;
@@ -1209,6 +1197,108 @@ static void attend_one(const void *ctx, int64_t chunk) {
     if (s != stack) free(s);
 }
 
+#ifdef SPEC_X86
+#define GROUP_HEADS 8 /* query heads of a group taken together */
+#define KEY_BLOCK 32  /* keys (and values) taken together, within L1 */
+
+/* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
+ * code of every path from AVX2 on (the AVX-512 paths take the same 256-bit float code).
+ * Every (head, row) pair gets bitwise what attend_one computes for it: each score is the
+ * same 8-lane sum of the same products, the softmax the same loops, and each output value
+ * adds its terms in ascending key order. What differs is only the layout: the group's
+ * heads (up to GROUP_HEADS at a time) take a block of KEY_BLOCK keys in turn while it is
+ * in L1, so a long cache is read from memory once per group rather than once per head
+ * (grouped-query attention shares keys among 2-7 heads); scores are formed 4 keys at a
+ * time (independent chains); and a value block's weighted sums stay in registers across
+ * the block's keys, 64 values at a time, carried in the output between blocks. */
+AVX2 static void attend_group(const void *ctx, int64_t chunk) {
+    const attn_t *a = ctx;
+    const int64_t g = chunk / a->T, t = chunk % a->T, hd = a->hd;
+    const int64_t per = a->nh / a->nkv;
+    const int64_t lo = a->lo[t], n = a->hi[t] - lo;
+    const float *keys = a->k + (g * a->rows + lo) * hd, *vals = a->v + (g * a->rows + lo) * hd;
+    float stack[GROUP_HEADS * 512];
+    float *sc = n <= 512 ? stack : malloc(sizeof(float) * (size_t)(GROUP_HEADS * n));
+    if (!sc) {
+        atomic_store(&((attn_t *)a)->failed, 1);
+        return;
+    }
+    for (int64_t h0 = g * per; h0 < (g + 1) * per; h0 += GROUP_HEADS) {
+        const int64_t H = (g + 1) * per - h0 < GROUP_HEADS ? (g + 1) * per - h0 : GROUP_HEADS;
+        const float *q[GROUP_HEADS];
+        float *o[GROUP_HEADS], sum[GROUP_HEADS];
+        for (int64_t x = 0; x < H; x++) {
+            q[x] = a->q + t * a->q_t + (h0 + x) * a->q_h;
+            o[x] = a->out + t * a->o_t + (h0 + x) * a->o_h;
+            for (int64_t i = 0; i < hd; i++) o[x][i] = 0.0f;
+        }
+        if (n <= 0) continue;
+        for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+            const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
+            for (int64_t x = 0; x < H; x++) {
+                float *s = sc + x * n;
+                int64_t j = j0;
+                for (; j + 4 <= j1; j += 4) {
+                    const float *k0 = keys + j * hd;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+                    for (int64_t i = 0; i < hd; i += 8) {
+                        const __m256 qv = _mm256_loadu_ps(q[x] + i);
+                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + i)));
+                        a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + hd + i)));
+                        a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i)));
+                        a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i)));
+                    }
+                    s[j] = hsum8_avx(a0) * a->scale;
+                    s[j + 1] = hsum8_avx(a1) * a->scale;
+                    s[j + 2] = hsum8_avx(a2) * a->scale;
+                    s[j + 3] = hsum8_avx(a3) * a->scale;
+                }
+                for (; j < j1; j++) s[j] = dot8_avx2(q[x], keys + j * hd, hd) * a->scale;
+            }
+        }
+        for (int64_t x = 0; x < H; x++) {
+            float *s = sc + x * n;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+            float total = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                s[j] = expf(s[j] - mx);
+                total = total + s[j];
+            }
+            sum[x] = total;
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+            const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
+            for (int64_t x = 0; x < H; x++) {
+                const float *s = sc + x * n;
+                int64_t i0 = 0;
+                for (; i0 + 64 <= hd; i0 += 64) {
+                    __m256 y[8];
+                    for (int b = 0; b < 8; b++) y[b] = _mm256_loadu_ps(o[x] + i0 + 8 * b);
+                    for (int64_t j = j0; j < j1; j++) {
+                        const __m256 p = _mm256_set1_ps(s[j]);
+                        const float *v = vals + j * hd + i0;
+                        for (int b = 0; b < 8; b++)
+                            y[b] = _mm256_add_ps(y[b], _mm256_mul_ps(p, _mm256_loadu_ps(v + 8 * b)));
+                    }
+                    for (int b = 0; b < 8; b++) _mm256_storeu_ps(o[x] + i0 + 8 * b, y[b]);
+                }
+                for (; i0 < hd; i0 += 8) {
+                    __m256 y = _mm256_loadu_ps(o[x] + i0);
+                    for (int64_t j = j0; j < j1; j++)
+                        y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(vals + j * hd + i0)));
+                    _mm256_storeu_ps(o[x] + i0, y);
+                }
+            }
+        }
+        for (int64_t x = 0; x < H; x++)
+            for (int64_t i = 0; i < hd; i++) o[x][i] = o[x][i] / sum[x];
+    }
+    if (sc != stack) free(sc);
+}
+#endif
+
 /* Attention of T query rows: q [nh][T][hd]; k, v [nkv][rows][hd] (one layer's cache);
  * query row t sees keys [lo[t], hi[t]). out [nh][T][hd]. Returns 0, or -1 for a shape
  * it does not take (hd not a multiple of 8, nh not a multiple of nkv, a range past rows). */
@@ -1222,6 +1312,12 @@ static int run_attention(attn_t *a, int nthreads) {
     jb.task = attend_one;
     jb.ctx = a;
     jb.nchunks = nh * T;
+#ifdef SPEC_X86
+    if (a->path >= PATH_AVX2) {
+        jb.task = attend_group;
+        jb.nchunks = a->nkv * T;
+    }
+#endif
     /* split only when there is enough work to pay for waking the workers */
     int64_t work = nh * T * (hi[T - 1] - lo[T - 1]) * hd;
     pool_run(&jb, work >= (1 << 18) ? nthreads : 1);
