@@ -190,6 +190,20 @@ def test_attention_within_float64_bound(hd: int, path: str) -> None:
     assert 0 < err < 1e-5, err  # float32 rounding, never exact by accident
 
 
+def test_attention_with_spread_scores(path: str) -> None:
+    """Scores hundreds apart (softmax weights far below the float range, which the kernels'
+    exp takes as 0) and equal scores: still within the float64 bound, on every path."""
+    nh, nkv, t, rows, hd = 4, 2, 3, 120, 64
+    keys, values = _cache(nkv, rows, hd, 7)
+    q = torch.randn(nh, t, hd, generator=torch.Generator().manual_seed(8)) * 8
+    q[:, 2] = 0  # every score equal: uniform weights
+    lo, hi = torch.tensor([0, 0, 0]), torch.tensor([40, 120, 77])
+    got = native.attend(q, keys, values, lo, hi, 1.0)
+    want = _attend64(q, keys, values, lo, hi, 1.0)
+    assert (got.double() - want).abs().max().item() < 1e-5
+    assert torch.isfinite(got).all()
+
+
 def test_attention_row_alone_equals_row_in_any_pass(path: str) -> None:
     """A query row's result depends on its query and its visible keys only: not on the
     other rows of the pass, the cache's size, the keys past its range or the threads."""

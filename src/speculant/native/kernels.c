@@ -1133,21 +1133,91 @@ int spec_quantize_rows(int kquant, const float *x, int64_t K, int64_t m, int8_t 
 static float dot8_portable(const float *a, const float *b, int64_t n) {
     float acc[8] = {0};
     for (int64_t i = 0; i < n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] = acc[l] + a[i + l] * b[i + l];
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
     return hsum8(acc);
 }
 
-/* y[i] += p * v[i] */
+/* y[i] += p * v[i], one rounding */
 static void axpy_portable(float *y, float p, const float *v, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = y[i] + p * v[i];
+    for (int64_t i = 0; i < n; i++) y[i] = fmaf(p, v[i], y[i]);
+}
+
+/* exp(x) for the softmax's x = score - max <= 0: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2
+ * in two parts, Cody and Waite's reduction), exp(r) by a degree-7 polynomial (Cephes'
+ * expf coefficients: about 1 ulp), times 2^n put in the exponent bits. Below -87 (where 2^n
+ * would leave the normal range) it gives 0; a NaN goes on. The vector code (exp8_avx2)
+ * does the same float operations, so both give the same bits. */
+#define EXP_LOW (-87.0f)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO (-2.12194440e-4f)
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_neg(float x) {
+    if (x != x) return x;
+    if (x < EXP_LOW) return 0.0f;
+    const float n = nearbyintf(x * EXP_LOG2E);
+    float r = fmaf(n, -EXP_LN2_HI, x);
+    r = fmaf(n, -EXP_LN2_LO, r);
+    float p = EXP_POLY[0];
+    for (int k = 1; k < 6; k++) p = fmaf(p, r, EXP_POLY[k]);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+/* s[j] = exp_neg(s[j] - mx) for j < n; returns their sum, added in 8 lanes (value j in
+ * lane j % 8, in ascending j) and the lanes summed by hsum8. */
+static float softmax_exp_portable(float *s, int64_t n, float mx) {
+    float lanes[8] = {0};
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = exp_neg(s[j] - mx);
+        lanes[j & 7] = lanes[j & 7] + s[j];
+    }
+    return hsum8(lanes);
 }
 
 #ifdef SPEC_X86
 AVX2 static float dot8_avx2(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8)
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     return hsum8_avx(acc);
+}
+
+/* exp_neg of 8 values */
+AVX2 static inline __m256 exp8_avx2(__m256 x) {
+    const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LOW), _CMP_LT_OQ);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int k = 1; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[k]));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(small, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+/* softmax_exp_portable's numbers */
+AVX2 static float softmax_exp_avx2(float *s, int64_t n, float mx) {
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (; j < n; j++) {
+        s[j] = exp_neg(s[j] - mx);
+        lanes[j & 7] = lanes[j & 7] + s[j];
+    }
+    return hsum8(lanes);
 }
 
 #endif
@@ -1187,11 +1257,7 @@ static void attend_one(const void *ctx, int64_t chunk) {
         s[j] = dot(q, keys + (lo + j) * a->hd, a->hd) * a->scale;
         mx = s[j] > mx ? s[j] : mx;
     }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
-        s[j] = expf(s[j] - mx);
-        sum = sum + s[j];
-    }
+    const float sum = softmax_exp_portable(s, n, mx);
     for (int64_t j = 0; j < n; j++) axpy(o, s[j], vals + (lo + j) * a->hd, a->hd);
     for (int64_t i = 0; i < a->hd; i++) o[i] = o[i] / sum;
     if (s != stack) free(s);
@@ -1204,8 +1270,8 @@ static void attend_one(const void *ctx, int64_t chunk) {
 /* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
  * code of every path from AVX2 on (the AVX-512 paths take the same 256-bit float code).
  * Every (head, row) pair gets bitwise what attend_one computes for it: each score is the
- * same 8-lane sum of the same products, the softmax the same loops, and each output value
- * adds its terms in ascending key order. What differs is only the layout: the group's
+ * same 8-lane sum of fused multiply-adds, the softmax the same exp_neg and 8-lane sum, and
+ * each output value adds its terms (fused multiply-adds) in ascending key order. What differs is only the layout: the group's
  * heads (up to GROUP_HEADS at a time) take a block of KEY_BLOCK keys in turn while it is
  * in L1, so a long cache is read from memory once per group rather than once per head
  * (grouped-query attention shares keys among 2-7 heads); scores are formed 4 keys at a
@@ -1244,10 +1310,10 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
                     __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
                     for (int64_t i = 0; i < hd; i += 8) {
                         const __m256 qv = _mm256_loadu_ps(q[x] + i);
-                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + i)));
-                        a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + hd + i)));
-                        a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i)));
-                        a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i)));
+                        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+                        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + i), a1);
+                        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i), a2);
+                        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i), a3);
                     }
                     s[j] = hsum8_avx(a0) * a->scale;
                     s[j + 1] = hsum8_avx(a1) * a->scale;
@@ -1261,12 +1327,7 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
             float *s = sc + x * n;
             float mx = -INFINITY;
             for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-            float total = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                s[j] = expf(s[j] - mx);
-                total = total + s[j];
-            }
-            sum[x] = total;
+            sum[x] = softmax_exp_avx2(s, n, mx);
         }
         for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
@@ -1279,15 +1340,14 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
                     for (int64_t j = j0; j < j1; j++) {
                         const __m256 p = _mm256_set1_ps(s[j]);
                         const float *v = vals + j * hd + i0;
-                        for (int b = 0; b < 8; b++)
-                            y[b] = _mm256_add_ps(y[b], _mm256_mul_ps(p, _mm256_loadu_ps(v + 8 * b)));
+                        for (int b = 0; b < 8; b++) y[b] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * b), y[b]);
                     }
                     for (int b = 0; b < 8; b++) _mm256_storeu_ps(o[x] + i0 + 8 * b, y[b]);
                 }
                 for (; i0 < hd; i0 += 8) {
                     __m256 y = _mm256_loadu_ps(o[x] + i0);
                     for (int64_t j = j0; j < j1; j++)
-                        y = _mm256_add_ps(y, _mm256_mul_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(vals + j * hd + i0)));
+                        y = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(vals + j * hd + i0), y);
                     _mm256_storeu_ps(o[x] + i0, y);
                 }
             }
