@@ -101,6 +101,37 @@ def test_plan_from_a_config_json(tmp_path: Path) -> None:
     assert 0.6 < small.target.weights_bytes / a.target.weights_bytes < 0.7
     long = make_plan(str(tmp_path), None, context=8192, batch=2)
     assert long.target.kv_bytes == pytest.approx(8 * a.target.kv_bytes, rel=0.03)
+    # a server's prefix cache budget counts in full, and shortens the context that fits
+    served = make_plan(str(tmp_path), None, context=2048, prefix_cache_bytes=2**30)
+    assert served.total_bytes == a.total_bytes + 2**30
+    assert served.to_dict()["prefix_cache_bytes"] == 2**30
+
+
+def test_plan_cli_counts_the_prefix_cache(capsys) -> None:  # type: ignore[no-untyped-def]
+    from speculant.cli import main
+
+    def plan(*extra: str) -> dict:  # type: ignore[type-arg]
+        assert (
+            main(
+                [
+                    "plan",
+                    "--target",
+                    "smollm2-135m-instruct",
+                    "--draft",
+                    "none",
+                    "--memory",
+                    "2GiB",
+                    "--json",
+                    *extra,
+                ]
+            )
+            == 0
+        )
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    plain, served = plan(), plan("--prefix-cache-gib", "1")
+    assert served["total_bytes"] == plain["total_bytes"] + 2**30
+    assert served["fits"][0]["max_context"] < plain["fits"][0]["max_context"]
 
 
 def test_errors_name_the_value() -> None:
@@ -112,6 +143,8 @@ def test_errors_name_the_value() -> None:
         make_plan("smollm2-135m-instruct", "gemma-3-270m")
     with pytest.raises(PlanError, match="dtype 'int3'"):
         make_plan("smollm2-135m-instruct", None, target_dtype="int3")
+    with pytest.raises(PlanError, match="prefix cache budget -1 bytes"):
+        make_plan("smollm2-135m-instruct", None, prefix_cache_bytes=-1)
     with pytest.raises(PlanError, match="device 'tpu'"):
         device_budget("tpu")
     with pytest.raises(PlanError, match="use a size"):

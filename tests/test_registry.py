@@ -181,7 +181,9 @@ def test_pip_failure_raises_pull_error(monkeypatch: pytest.MonkeyPatch, tmp_path
         registry.pip_download(["speculant-no-such-pkg==9.9.9"], dest, progress=False)
 
 
-def test_folder_manifest_refuses_changed_files(tmp_path: Path) -> None:
+def test_folder_manifest_refuses_changed_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A Hugging Face folder with a manifest loads verified; a flipped byte, or a model
     file the manifest does not list, is refused naming the file; the CLI agrees."""
     from tiny import save_tiny
@@ -192,12 +194,17 @@ def test_folder_manifest_refuses_changed_files(tmp_path: Path) -> None:
     folder = tmp_path / "tiny"
     save_tiny("llama", folder, seed=1)
     assert integrity.check_folder_integrity(folder) is False  # no manifest yet
-    assert main(["verify", str(folder)]) == 1
-    assert main(["verify", str(folder), "--write-manifest"]) == 0
+    assert main(["models", "verify", str(folder)]) == 1
+    assert main(["models", "verify", str(folder), "--write-manifest"]) == 0
     listed = integrity.read_manifest(folder)
     assert "model.safetensors" in listed and "config.json" in listed
     assert integrity.check_folder_integrity(folder) is True
+    assert main(["models", "verify", str(folder)]) == 0
+    capsys.readouterr()
+    # the old spelling `speculant verify` still works, with a note
     assert main(["verify", str(folder)]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith(": ok\n") and "`speculant verify` is deprecated" in err
     load_model(folder, dtype="float32", progress=False)
 
     weights = folder / "model.safetensors"
@@ -206,7 +213,7 @@ def test_folder_manifest_refuses_changed_files(tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="model.safetensors: the manifest expects"):
         load_model(folder, dtype="float32", progress=False)
-    assert main(["verify", str(folder)]) == 1
+    assert main(["models", "verify", str(folder)]) == 1
     load_model(folder, dtype="float32", progress=False, trust_unverified=True)  # escape hatch
 
     integrity.write_manifest(folder)

@@ -5,6 +5,51 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def deprecation_note(old: str, new: str) -> None:
+    """The one-line note an old spelling prints on stderr (it still works)."""
+    print(f"speculant: note: `{old}` is deprecated: use `{new}`", file=sys.stderr)
+
+
+class _DeprecatedOption(argparse.Action):
+    """A hidden old spelling of an option: stores into the new option's dest, with a note."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str, **kw: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        deprecation_note(option_string or self.option_strings[0], self.new)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_option(
+    parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kw: Any
+) -> None:
+    """Accept `old` as a hidden alias of option `new` (same dest, same value checks)."""
+    parser.add_argument(
+        old,
+        dest=dest,
+        action=_DeprecatedOption,
+        new=new,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+        **kw,
+    )
 
 
 def k_value(text: str) -> int | str:
@@ -141,7 +186,7 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
         "--eagle-head",
         default=None,
         metavar="DIR",
-        help="eagle: a head folder from `speculant train eagle` for this target",
+        help="eagle: a head folder from `speculant eagle train` for this target",
     )
     g.add_argument(
         "--tree-topk",

@@ -8,8 +8,10 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from speculant.argtypes import (
+    CliError,
     add_dtype_args,
     add_proposer_args,
+    deprecation_note,
     k_value,
     nonneg_int,
     proposer_options,
@@ -26,16 +28,13 @@ examples:
   speculant generate "Write a haiku" --chat --temperature 0.8 --top-p 0.95 --seed 1
   speculant generate "print(1)" --method none --json      # plain decoding baseline
   speculant generate "Fix the bug: ..." --method ngram -k auto   # prompt lookup, adaptive k
-  speculant train eagle --target smollm2-135m-instruct --out heads/smollm2   # EAGLE head
-  speculant generate "def fib(n):" --target smollm2-135m-instruct --method eagle \
+  speculant eagle train --target smollm2-135m-instruct --out heads/smollm2   # EAGLE head
+  speculant generate "def fib(n):" --target smollm2-135m-instruct --method eagle \\
       --eagle-head heads/smollm2 -k 5            # EAGLE head; --tree-topk 4: trees
   speculant models list
   speculant models pull smollm2-135m-instruct
+  speculant models verify heads/smollm2 path/to/model.gguf   # SHA-256 against manifests
 """
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,33 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=cmd_generate)
 
-    models = sub.add_parser("models", help="list, pull or verify built-in models")
-    msub = models.add_subparsers(dest="models_command", metavar="ACTION")
-    ls = msub.add_parser("list", help="show the built-in models and whether they are pulled")
-    ls.set_defaults(func=cmd_models_list)
-    pull = msub.add_parser("pull", help="download, assemble and SHA-256-check a built-in model")
-    pull.add_argument("names", nargs="+", metavar="NAME")
-    pull.add_argument("--force", action="store_true", help="fetch again even if present")
-    pull.set_defaults(func=cmd_models_pull)
-    ver = msub.add_parser("verify", help="re-hash pulled models against their SHA-256")
-    ver.add_argument("names", nargs="+", metavar="NAME")
-    ver.set_defaults(func=cmd_models_verify)
-    models.set_defaults(func=lambda args: _print_help(models))
+    from speculant.models.cli import add_parsers as add_models_parsers
 
-    check = sub.add_parser(
-        "verify",
-        help="check model files against their SHA-256 manifest (or write one)",
-        description="Re-hash built-in models against the registry, and .gguf files or model "
-        "folders against the manifest.json beside them. --write-manifest records the "
-        "digests of a folder's model files (weights, config, tokenizer), so later loads "
-        "refuse any file that changed. Exit status 1 if anything fails.",
-    )
-    check.add_argument("targets", nargs="+", metavar="NAME_OR_PATH")
-    check.add_argument(
-        "--write-manifest", action="store_true", help="hash the folders' files into manifest.json"
-    )
-    check.set_defaults(func=cmd_verify)
-
+    add_models_parsers(sub)
     from speculant.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
@@ -184,11 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eagle_parsers(sub)
     return parser
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 0
 
 
 def _methods() -> list[str]:
@@ -299,124 +269,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_models_list(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from speculant.models.registry import list_models, speculant_home
-
-    table = Table(title=f"built-in models (cache: {speculant_home()})")
-    for col in ("name", "description", "size", "pulled"):
-        table.add_column(col)
-    for m in list_models():
-        table.add_row(
-            m["name"],
-            m["description"],
-            f"{m['size'] / 1e6:,.0f} MB",
-            "yes" if m["pulled"] else "no",
-        )
-    from speculant import native
-
-    if native.available():
-        table.caption = (
-            f"--dtype auto (the default) runs each file's quantized blocks on the native "
-            f"{native.active_path()} kernels ({', '.join(native.SUPPORTED_TYPES.values())})"
-        )
-    else:
-        table.caption = (
-            f"native kernels unavailable ({native.why_missing()}): --dtype auto loads "
-            "int8 weights through PyTorch"
-        )
-    Console().print(table)
-    return 0
-
-
-def cmd_models_pull(args: argparse.Namespace) -> int:
-    from speculant.models.registry import get_known, pull
-
-    for name in args.names:
-        get_known(name)  # fail on a bad name before downloading anything
-    for name in args.names:
-        path = pull(name, force=args.force)
-        print(f"{name}: {path}")
-    return 0
-
-
-def cmd_models_verify(args: argparse.Namespace) -> int:
-    from speculant.models.registry import get_known, verify
-
-    bad = 0
-    for name in args.names:
-        get_known(name)
-        ok = verify(name)
-        print(f"{name}: {'ok' if ok else 'MISMATCH or missing'}")
-        bad += not ok
-    return 1 if bad else 0
-
-
-def _is_eagle_head(folder: object) -> bool:
-    from pathlib import Path
-
-    from speculant.eagle.head import HEAD_FORMAT
-
-    try:
-        config = json.loads((Path(str(folder)) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("format") == HEAD_FORMAT
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from speculant.models import integrity, registry
-
-    bad = 0
-    for target in args.targets:
-        path = Path(target).expanduser()
-        if target in registry.KNOWN_MODELS and not path.exists():
-            ok = registry.verify(target)
-            print(f"{target}: {'ok' if ok else 'MISMATCH or missing'}")
-            bad += not ok
-            continue
-        if not path.exists():
-            raise CliError(f"{target!r} is neither a built-in model nor an existing path")
-        folder = path if path.is_dir() else path.parent
-        if path.is_dir() and _is_eagle_head(path):
-            from speculant.eagle.head import HeadLoadError, load_head, save_head
-
-            try:
-                if args.write_manifest:
-                    save_head(load_head(path, trust_unverified=True), path)
-                    print(f"{target}: wrote {path / 'manifest.json'}")
-                    continue
-                load_head(path)
-            except (integrity.IntegrityError, HeadLoadError) as exc:
-                print(f"{target}: FAILED: {exc}")
-                bad += 1
-                continue
-            print(f"{target}: ok (EAGLE head)")
-            continue
-        if args.write_manifest:
-            print(f"{target}: wrote {integrity.write_manifest(folder)}")
-            continue
-        try:
-            if path.is_dir():
-                ok = integrity.check_folder_integrity(path)
-            else:
-                ok = integrity.check_integrity(path.resolve())
-        except integrity.IntegrityError as exc:
-            print(f"{target}: FAILED: {exc}")
-            bad += 1
-            continue
-        print(f"{target}: {'ok' if ok else 'unverified (no manifest; see --write-manifest)'}")
-        bad += not ok
-    return 1 if bad else 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    deprecated = getattr(args, "deprecated_command", None)
+    if deprecated:
+        deprecation_note(*deprecated)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

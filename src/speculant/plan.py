@@ -246,10 +246,11 @@ class Plan:
     context: int
     batch: int
     runtime_bytes: int = RUNTIME_BYTES
+    prefix_cache_bytes: int = 0  # the server's prefix cache budget (`--prefix-cache-gib`)
 
     @property
     def total_bytes(self) -> int:
-        parts = [self.target.total_bytes, self.runtime_bytes]
+        parts = [self.target.total_bytes, self.runtime_bytes, self.prefix_cache_bytes]
         if self.draft is not None:
             # Working memory is reused: the draft and the target do not run at once.
             parts.append(self.draft.weights_bytes + self.draft.kv_bytes)
@@ -276,6 +277,7 @@ class Plan:
             "context": self.context,
             "batch": self.batch,
             "runtime_bytes": self.runtime_bytes,
+            "prefix_cache_bytes": self.prefix_cache_bytes,
             "total_bytes": self.total_bytes,
         }
 
@@ -289,7 +291,10 @@ def make_plan(
     target_dtype: str = "bfloat16",
     draft_dtype: str = "int8",
     k: int = 5,
+    prefix_cache_bytes: int = 0,
 ) -> Plan:
+    if prefix_cache_bytes < 0:
+        raise PlanError(f"prefix cache budget {prefix_cache_bytes} bytes: 0 or more is allowed")
     tname, tcfg = resolve_config(target)
     tplan = plan_model(tname, tcfg, target_dtype, context, batch, k, draft=False)
     dplan = None
@@ -305,7 +310,7 @@ def make_plan(
     if cpu_has_bf16():
         bf16_models = [target_dtype] + ([draft_dtype] if draft is not None else [])
         runtime += KERNEL_CACHE_BYTES * bf16_models.count("bfloat16")
-    return Plan(tplan, dplan, context, batch, runtime)
+    return Plan(tplan, dplan, context, batch, runtime, prefix_cache_bytes)
 
 
 def cpu_has_bf16() -> bool:

@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from speculant.argtypes import add_deprecated_option
 from speculant.plan import DEVICES, DTYPES, GiB, Plan, PlanError, device_budget, make_plan
 
 EPILOG = """\
 examples:
   speculant plan                                            # default pair, 4k context
   speculant plan --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
-      --context 32768 --batch 8 --target-dtype int8 --draft-dtype int4 --device RTX-4090
+      --context 32768 --batch 8 --dtype int8 --draft-dtype int4 --device RTX-4090
   speculant plan --target path/to/config.json --memory 24GiB   # any HF config.json
   speculant plan --target smollm2-135m-instruct --context 2048 --measure   # check by running
 """
@@ -40,8 +41,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
-    p.add_argument("--target-dtype", default="bfloat16", choices=list(DTYPES))
-    p.add_argument("--draft-dtype", default="int8", choices=list(DTYPES))
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=list(DTYPES),
+        help="target weights (default bfloat16)",
+    )
+    add_deprecated_option(p, "--target-dtype", "--dtype", dest="dtype", choices=list(DTYPES))
+    p.add_argument(
+        "--draft-dtype", default="int8", choices=list(DTYPES), help="draft weights (default int8)"
+    )
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, dest="k")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--memory", default=None, help="a budget, e.g. 24GiB or 80GB")
@@ -53,6 +62,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="also load the models and run one request at this context in a fresh process, "
         "and print the measured peak memory beside the estimate (CPU)",
+    )
+    p.add_argument(
+        "--prefix-cache-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="add the memory a server's prefix cache may hold (`speculant serve "
+        "--prefix-cache-gib`, whose default is 1; 0, the default here, for generate)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
@@ -80,9 +97,10 @@ def _plan(args: argparse.Namespace, context: int | None = None) -> Plan:
         None if args.draft in (None, "none") else args.draft,
         context=args.context if context is None else context,
         batch=args.batch,
-        target_dtype=args.target_dtype,
+        target_dtype=args.dtype,
         draft_dtype=args.draft_dtype,
         k=args.k,
+        prefix_cache_bytes=int(args.prefix_cache_gib * GiB),
     )
 
 
@@ -90,7 +108,7 @@ def measure(args: argparse.Namespace) -> dict[str, int]:
     spec = {
         "target": args.target,
         "draft": None if args.draft in (None, "none") else args.draft,
-        "target_dtype": args.target_dtype,
+        "target_dtype": args.dtype,
         "draft_dtype": args.draft_dtype,
         "context": args.context,
         "k": args.k,
@@ -204,6 +222,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             _gib(m.total_bytes),
         )
     table.add_row("runtime (PyTorch, Python)", "", "", "", "", "", _gib(plan.runtime_bytes))
+    if plan.prefix_cache_bytes:
+        table.add_row("prefix cache (server)", "", "", "", "", "", _gib(plan.prefix_cache_bytes))
     table.add_row("[bold]total[/]", "", "", "", "", "", f"[bold]{_gib(plan.total_bytes)}[/]")
     console.print(table)
     fit_table = Table(title="where it fits")

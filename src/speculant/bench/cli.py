@@ -232,6 +232,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--serve: draft:3,ngram:3); 'none', the baseline, always runs",
     )
     p.add_argument(
+        "-k",
         "--k",
         type=_k_list,
         default=[5],

@@ -1,4 +1,4 @@
-"""`speculant train eagle` and `speculant eagle export`: train an EAGLE head, hand it on."""
+"""`speculant eagle train` and `speculant eagle export`: train an EAGLE head, hand it on."""
 
 from __future__ import annotations
 
@@ -6,15 +6,19 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from speculant.argtypes import nonneg_int, positive_int
+from speculant.argtypes import DTYPE_CHOICES, nonneg_int, positive_int
+
+# Every weight format but auto: training and self-distillation name theirs.
+_DTYPES = [d for d in DTYPE_CHOICES if d != "auto"]
 
 EPILOG_TRAIN = """\
 examples:
-  speculant train eagle --target smollm2-135m-instruct --out heads/smollm2 --max-steps 300
-  speculant train eagle --target qwen2.5-coder-0.5b-instruct --data humaneval,mtbench \\
+  speculant eagle train --target smollm2-135m-instruct --out heads/smollm2 --max-steps 300
+  speculant eagle train --target qwen2.5-coder-0.5b-instruct --data humaneval,mtbench \\
       --self-distill 24 --out heads/qwen05          # add the target's own answers
-  speculant train eagle --target ... --out DIR                  # again: resumes DIR
+  speculant eagle train --target ... --out DIR                  # again: resumes DIR
   speculant generate "def fib(n):" --target qwen2.5-coder-0.5b-instruct \\
       --method eagle --eagle-head heads/qwen05
 
@@ -33,21 +37,51 @@ See docs/eagle.md for the layout and the SGLang command.
 """
 
 
+# The help of `eagle train` (and of its old spelling `train eagle`).
+TRAIN: dict[str, Any] = {
+    "description": "Train an EAGLE draft head for TARGET on CPU or GPU: run the target over "
+    "a corpus to collect its features, then fit one decoder layer that predicts the "
+    "next feature from the current one and the next token's embedding.",
+    "epilog": EPILOG_TRAIN,
+    "formatter_class": argparse.RawDescriptionHelpFormatter,
+}
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register `eagle train` and `eagle export` (and the deprecated `train eagle`)."""
+    ex = sub.add_parser("eagle", help="EAGLE draft heads: train one for a target, export it")
+    esub = ex.add_subparsers(dest="eagle_command", metavar="ACTION")
+    _add_train_args(
+        esub.add_parser("train", help="train an EAGLE feature-level draft head", **TRAIN)
+    )
+    export = esub.add_parser(
+        "export",
+        help="write a head in the EAGLE checkpoint layout vLLM and SGLang load",
+        epilog=EPILOG_EXPORT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("head", type=Path, help="a head folder from `speculant eagle train`")
+    export.add_argument(
+        "--out", required=True, type=Path, help="output folder (vllm/ and sglang/ inside)"
+    )
+    export.add_argument("--trust-unverified", action="store_true")
+    export.set_defaults(func=cmd_export)
+    ex.set_defaults(func=lambda args: ex.print_help() or 0)
+
+    # `speculant train eagle`, the old spelling of `speculant eagle train` (hidden).
+    train = sub.add_parser("train", description="Deprecated: use `speculant eagle train`.")
+    tsub = train.add_subparsers(dest="train_command", metavar="KIND")
+    _add_train_args(tsub.add_parser("eagle", **TRAIN))
+    train.set_defaults(
+        func=lambda args: train.print_help() or 0,
+        deprecated_command=("speculant train eagle", "speculant eagle train"),
+    )
+
+
+def _add_train_args(eagle: argparse.ArgumentParser) -> None:
     from speculant.eagle.train import BUILTIN_SOURCES, TrainOptions
 
     d = TrainOptions()
-    train = sub.add_parser("train", help="train a drafting head for a target (EAGLE)")
-    tsub = train.add_subparsers(dest="train_command", metavar="KIND")
-    eagle = tsub.add_parser(
-        "eagle",
-        help="train an EAGLE feature-level draft head",
-        description="Train an EAGLE draft head for TARGET on CPU or GPU: run the target over "
-        "a corpus to collect its features, then fit one decoder layer that predicts the "
-        "next feature from the current one and the next token's embedding.",
-        epilog=EPILOG_TRAIN,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
     eagle.add_argument(
         "--target", required=True, help="target model (built-in name, .gguf, HF folder)"
     )
@@ -64,7 +98,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     eagle.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "int8", "int4", "gguf"],
+        choices=_DTYPES,
         help="target dtype while collecting features",
     )
     eagle.add_argument("--max-steps", type=positive_int, default=d.steps, help="training steps")
@@ -98,7 +132,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     eagle.add_argument(
         "--distill-dtype",
         default="int8",
-        choices=["float32", "bfloat16", "int8", "int4", "gguf"],
+        choices=_DTYPES,
         help="target dtype for writing the self-distilled answers (int8 decodes several "
         "times faster than float32 on CPU; features still come from --dtype)",
     )
@@ -119,23 +153,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="load a target that fails its SHA-256 check (logged)",
     )
     eagle.set_defaults(func=cmd_train_eagle)
-    train.set_defaults(func=lambda args: train.print_help() or 0)
-
-    ex = sub.add_parser("eagle", help="EAGLE head tools (export for vLLM / SGLang)")
-    esub = ex.add_subparsers(dest="eagle_command", metavar="ACTION")
-    export = esub.add_parser(
-        "export",
-        help="write a head in the EAGLE checkpoint layout vLLM and SGLang load",
-        epilog=EPILOG_EXPORT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    export.add_argument("head", type=Path, help="a head folder from `speculant train eagle`")
-    export.add_argument(
-        "--out", required=True, type=Path, help="output folder (vllm/ and sglang/ inside)"
-    )
-    export.add_argument("--trust-unverified", action="store_true")
-    export.set_defaults(func=cmd_export)
-    ex.set_defaults(func=lambda args: ex.print_help() or 0)
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:

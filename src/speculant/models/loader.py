@@ -456,3 +456,21 @@ def load_gguf_native(
         )
     weights = Weights(tok_embeddings=emb, norm=need_vec("norm"), output=output, layers=layers)
     return config, weights
+
+
+# ----------------------------------------------------------------------------- names
+def builtin_model_path(name: str, progress: bool = True) -> Path:
+    """The GGUF file of the built-in model `name`, pulled on first use. Anything else that
+    is not an existing path is refused, naming what is allowed. The download registry is
+    reached only here, and only for a name (`load_model` of a path never imports it)."""
+    from speculant.models import registry
+
+    if name in registry.KNOWN_MODELS:
+        return registry.pull(name, progress=progress)
+    if name.endswith(".gguf") or "/" in name or name.startswith("."):
+        raise ModelLoadError(f"model file or folder {name!r} does not exist")
+    known = ", ".join(sorted(registry.KNOWN_MODELS))
+    raise registry.UnknownModelError(
+        f"unknown model {name!r}: use a built-in name ({known}), a .gguf file, "
+        "or a Hugging Face folder with config.json and *.safetensors"
+    )
