@@ -17,7 +17,7 @@ from conftest import tiny_model
 
 from speculant import Engine, SamplingParams
 from speculant.models.model import Model
-from speculant.rejection import verify_chain
+from speculant.rejection import verify
 from speculant.sampling import penalize, process_logits, sample
 
 VOCAB = 8
@@ -138,7 +138,7 @@ def test_engine_samples_follow_target(
 @pytest.mark.parametrize("point_mass", [False, True])
 @pytest.mark.parametrize("rule", ["standard", "coupled"])
 def test_rule_alone_preserves_p(point_mass: bool, rule: str) -> None:
-    """verify_chain on fixed rows, one seed per trial: the first emitted token follows
+    """verify on fixed rows, one seed per trial: the first emitted token follows
     p[0], the second (when the first draft was kept) follows p[1], for stochastic and
     point-mass drafts, under the standard rule (drafts drawn from q with the trial's
     generator) and the coupled one (drafts drawn from q with the position noise)."""
@@ -160,7 +160,7 @@ def test_rule_alone_preserves_p(point_mass: bool, rule: str) -> None:
             drafts = [seeded_pick(q_rows[j], i, 40 + j) for j in range(2)]
         else:
             drafts = [int(torch.multinomial(q_rows[j], 1, generator=gen)) for j in range(2)]
-        verdict = verify_chain(drafts, None if point_mass else q_rows, p_rows, gen, coupled)
+        verdict = verify(drafts, None if point_mass else q_rows, p_rows, gen, coupled)
         assert verdict.token_ids[: verdict.num_accepted] == drafts[: verdict.num_accepted]
         first[verdict.token_ids[0]] += 1
         if verdict.num_accepted >= 1:
@@ -181,9 +181,9 @@ def test_rule_alone_preserves_p(point_mass: bool, rule: str) -> None:
 def test_greedy_rule_is_argmax() -> None:
     p = process_logits(torch.tensor([[0.1, 2.0, 0.3], [1.0, 0.0, 5.0]]), SamplingParams())
     q = process_logits(torch.tensor([[0.1, 2.0, 0.3]]), SamplingParams())
-    v = verify_chain([1], q, p, torch.Generator().manual_seed(0))
+    v = verify([1], q, p, torch.Generator().manual_seed(0))
     assert v.num_accepted == 1 and v.token_ids == [1, 2]
-    v = verify_chain([0], None, p, torch.Generator().manual_seed(0))
+    v = verify([0], None, p, torch.Generator().manual_seed(0))
     assert v.num_accepted == 0 and v.token_ids == [1]
 
 
@@ -240,10 +240,10 @@ def test_a_draft_with_zero_q_is_refused() -> None:
     q = torch.tensor([[1.0, 0.0, 0.0]])
     g = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="draft token 1 at draft position 0 has probability 0"):
-        verify_chain([1], q, p, g)
+        verify([1], q, p, g)
     with pytest.raises(ValueError, match="draft token 1 at draft position 0 has probability 0"):
         verify_tree([1], [-1], p, g, q_nodes=q)
-    assert verify_chain([0], q, p, g).token_ids[0] in (0, 1)  # q > 0: the rule as before
+    assert verify([0], q, p, g).token_ids[0] in (0, 1)  # q > 0: the rule as before
 
 
 def test_seeded_tree_rule_follows_p() -> None:

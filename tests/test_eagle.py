@@ -244,14 +244,14 @@ def test_head_files_are_checked(tiny_root, tmp_path: Path) -> None:  # type: ign
     from speculant.cli import main
 
     (out / "data.pt").write_bytes(b"training leftovers are not the head")
-    assert main(["verify", str(out)]) == 0
+    assert main(["models", "verify", str(out)]) == 0
     # a changed byte is refused, naming the file
     blob = bytearray((out / "head.safetensors").read_bytes())
     blob[-1] ^= 1
     (out / "head.safetensors").write_bytes(bytes(blob))
     with pytest.raises(Exception, match="head.safetensors"):
         load_head(out)
-    assert main(["verify", str(out)]) == 1
+    assert main(["models", "verify", str(out)]) == 1
     with pytest.raises(HeadLoadError, match="must hold config.json"):
         load_head(tmp_path / "nowhere")
     # a head for another target is refused
@@ -295,7 +295,7 @@ def test_export_round_trip(tiny_root, tmp_path: Path) -> None:  # type: ignore[n
     assert eagle_config(head.cfg, "vllm")["hidden_size"] == m.config.dim
 
 
-def test_train_command_end_to_end(tmp_path: Path) -> None:
+def test_train_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`run` on a tiny chat model and a .jsonl corpus: features, training, head files,
     train.json; a second run resumes (reuses data.pt and the checkpoint)."""
     from speculant.cli import main
@@ -345,8 +345,8 @@ def test_train_command_end_to_end(tmp_path: Path) -> None:
     assert (
         main(
             [
-                "train",
                 "eagle",
+                "train",
                 "--target",
                 str(tmp_path / "chat"),
                 "--out",
@@ -357,6 +357,7 @@ def test_train_command_end_to_end(tmp_path: Path) -> None:
         )
         == 2
     )
+    assert "deprecated" not in capsys.readouterr().err
     assert (
         main(
             [
@@ -374,3 +375,7 @@ def test_train_command_end_to_end(tmp_path: Path) -> None:
         )
         == 2
     )
+    # the old spelling `speculant train eagle` is the same command, with a note
+    err = capsys.readouterr().err
+    assert "--lr=-1.0 is out of range" in err, err
+    assert "`speculant train eagle` is deprecated: use `speculant eagle train`" in err

@@ -123,7 +123,9 @@ def test_seeded_text_is_the_same_for_every_method_and_k(
     assert [r.logprobs for r in solo] == [r.logprobs for r in plain], method
     assert [r.logprobs for r in batched] == [r.logprobs for r in plain], method
     assert sum(r.stats.num_drafted for r in solo) > 0
-    if method in ("draft", "layer-skip"):  # drafts coupled to the target's noise
+    # drafts coupled to the target's noise are kept; with k=auto how much is drafted
+    # follows the measured pass costs (wall time), so that is checked at fixed k
+    if method in ("draft", "layer-skip") and k != "auto":
         assert sum(r.stats.num_accepted for r in solo) > 0
 
 

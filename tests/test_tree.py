@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_distribution import chi2_rejects
 
-from speculant.models.decoder import Segment
+from speculant.models.segment import Segment
 from speculant.rejection import verify_tree
 
 VOCAB = 6
@@ -158,7 +158,7 @@ def test_tree_pass_matches_each_path_bitwise_and_keeps_the_path(
 
 def test_tree_layout_helpers() -> None:
     """Depths and root-to-leaf paths of hand-made trees; bad parents are refused."""
-    from speculant.models.decoder import tree_depths, tree_paths
+    from speculant.tree import tree_depths, tree_paths
 
     parents = [-1, 0, 0, 1, 1, 2, -1]
     assert tree_depths(parents) == [0, 1, 1, 2, 2, 2, 0]
@@ -173,7 +173,7 @@ def test_tree_positions_and_path_masks(tiny_root) -> None:  # type: ignore[no-un
     is attended as a chain (row r sees the context and rows start..start+r)."""
     from conftest import tiny_model
 
-    from speculant.models.decoder import Segment
+    from speculant.models.segment import Segment
 
     m = tiny_model(tiny_root, "llama", seed=4)
     parents = [-1, 0, 0, 1, -1]  # two roots; node 3 under 1 under 0

@@ -1,4 +1,5 @@
-"""Preallocated key/value cache: written at explicit positions, rolled back by truncate.
+"""Preallocated key/value cache: written at explicit positions, rolled back by truncate
+(after a verify pass: `commit`, which keeps the accepted rows of a chain or a tree).
 
 The cache never reallocates during a request. Rows past `length` may hold stale
 values (rejected drafts, padding rows): nothing reads them, because attention only
@@ -71,8 +72,26 @@ class KVCache:
         """Keys and values of positions [0, span): each [1, n_kv_heads, span, head_dim]."""
         return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
 
+    def commit(
+        self, start: int, rows: list[int], tree_kv: list[tuple[Tensor, Tensor]] | None = None
+    ) -> None:
+        """After a verify pass at `start`: keep the pass's rows `rows` (the accepted path,
+        root first: row 0 is the token fed at `start`) and drop the rest, so the cache
+        holds start + len(rows) positions.
+
+        A chain pass (no `tree_kv`) wrote its rows in place: its accepted rows are a
+        prefix 0..m-1 and the rest is rolled back. A tree pass left every node's keys
+        and values in `tree_kv` (`Segment.tree_kv`): the accepted path's are
+        written at rows start, start+1, .... Rows before `start` are untouched."""
+        if tree_kv:
+            self.keep_path(start, tree_kv, rows)
+            return
+        if rows != list(range(len(rows))):
+            raise ValueError(f"commit({start}, rows={rows}): a chain keeps a prefix of its rows")
+        self.truncate(start + len(rows))
+
     def truncate(self, length: int) -> None:
-        """Roll back to the first `length` positions (the only rollback operation)."""
+        """Roll back to the first `length` positions."""
         if not 0 <= length <= self.capacity:
             raise ValueError(f"truncate({length}) outside [0, {self.capacity}]")
         self.length = length
@@ -81,7 +100,7 @@ class KVCache:
         """After a tree pass at `start`: write the keys and values of the tree nodes
         `nodes` (the accepted path, root first) at rows start, start+1, ..., and set
         length to start + len(nodes). tree_kv: per layer ([1, nkv, n, hd] keys, values)
-        of every node (decoder.Segment.tree_kv). Rows before `start` are untouched."""
+        of every node (models.segment.Segment.tree_kv). Rows before `start` are untouched."""
         if len(tree_kv) != self.k.shape[0]:
             raise ValueError(f"tree_kv has {len(tree_kv)} layers, the cache {self.k.shape[0]}")
         n = tree_kv[0][0].shape[2] if tree_kv else 0

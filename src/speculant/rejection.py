@@ -16,6 +16,14 @@ seeded draw there, whatever was drafted, and a draft is kept exactly when it equ
 token. Every emitted token is then an exact draw from p, and the text does not depend on
 the proposer or on k. (For greedy this is what the rule above reduces to with one-hot
 rows; the coupled form needs only each row's argmax.)
+
+A draft is a chain or a tree (`parents`, see speculant.tree); `verify` takes either.
+A tree is verified by recursive rejection over siblings (SpecInfer, Miao et al. 2024):
+at a node, each child x in turn is accepted with min(1, p(x) / q(x)), and after a
+rejection p becomes normalize(max(0, p - q)) for the next sibling; a chain is the tree
+with one child per node, checked in one vectorised step. Both share the residual, the
+correction draw (with its fallback to p when rounding leaves no mass) and the bonus.
+This module is where a draft is verified; the scheduler only calls `verify`.
 """
 
 from __future__ import annotations
@@ -27,59 +35,123 @@ import torch
 from torch import Tensor
 
 from speculant.sampling import Coupled, sample
+from speculant.tree import chain_parents, path_rows
+from speculant.tree import children as tree_children
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Outcome of verifying one chain of drafts.
+    """Outcome of verifying a draft (a chain or a tree).
 
-    num_accepted: how many leading drafts were kept (0..k).
-    token_ids: the accepted drafts followed by exactly one new token (the resampled
-        correction, or the bonus when all k were accepted): length num_accepted + 1.
+    path: indices of the accepted drafts, root to leaf (empty when none was accepted;
+        0..n-1 for a chain that kept its first n).
+    token_ids: their tokens followed by exactly one new token (the correction drawn
+        where acceptance stopped, or the bonus after the last accepted draft): length
+        num_accepted + 1.
     """
 
-    num_accepted: int
+    path: list[int]
     token_ids: list[int]
 
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
 
-def verify_chain(
+    @property
+    def rows(self) -> list[int]:
+        """The verify rows behind the emitted tokens, root first (row 0 the last
+        committed token, row i + 1 draft i): row j's logits scored token_ids[j], and
+        these are the rows the cache keeps (`KVCache.commit`)."""
+        return path_rows(self.path)
+
+
+def verify(
     draft_ids: Sequence[int],
     q_draft: Tensor | None,
     p_target: Tensor,
     generator: torch.Generator | None,
     coupled: Coupled | None = None,
+    parents: Sequence[int] | None = None,
 ) -> Verdict:
-    """Apply the lossless rule to one chain.
+    """Apply the lossless rule to one draft: a chain, or a tree when `parents` is given.
 
-    draft_ids: k drafted tokens.
-    q_draft: [k, vocab_q] the distributions the drafts were sampled from (after the same
-        temperature / top-k / top-p as p), or None for deterministic drafts (point mass).
-        vocab_q may be smaller than the target's vocab (missing ids have q = 0).
-    p_target: [k + 1, vocab] processed target distributions; row i scores draft i,
-        row k gives the bonus distribution.
+    draft_ids: n drafted tokens (one per tree node).
+    q_draft: [n, vocab_q] the distributions the drafts were sampled from (after the same
+        temperature / top-k / top-p as p; a tree's siblings drawn independently from
+        their parent's q), or None for deterministic drafts (point masses: prompt
+        lookup, suffix match, top-k tree expansion as EAGLE-2 does). vocab_q may be
+        smaller than the target's vocab (missing ids have q = 0).
+    p_target: [n + 1, vocab] processed target distributions: row 0 after the last
+        committed token, row i + 1 after draft i (a tree node: the tokens on its path);
+        after a chain's last draft, row n gives the bonus distribution.
     coupled: a greedy or seeded request's coupled rule (q is then not needed: a draft
-        is kept exactly when it is the target's own choice at its position).
+        is kept exactly when it is the target's own choice at its position; in a tree
+        the walk follows the child holding that token).
+    parents: None for a chain; for a tree, each node's parent index, -1 for children
+        of the root (speculant.tree). Siblings are tried in the order given (put the
+        draft's preferred candidate first).
     """
-    k = len(draft_ids)
-    if p_target.shape[0] != k + 1:
-        raise ValueError(f"p_target has {p_target.shape[0]} rows, expected k + 1 = {k + 1}")
+    n = len(draft_ids)
+    children = tree_children(chain_parents(n) if parents is None else parents, n)
+    if p_target.shape[0] != n + 1:
+        raise ValueError(
+            f"p_target has {p_target.shape[0]} rows, expected n + 1 = {n + 1} "
+            "(one after the last committed token, one after each draft)"
+        )
     if coupled is not None:
-        kept: list[int] = []
-        for i in range(k + 1):
-            token = coupled.pick(p_target[i], i)
-            if i == k or token != int(draft_ids[i]):
-                return Verdict(i, kept + [token])
-            kept.append(token)
-    if k == 0:
-        return Verdict(0, [int(sample(p_target[:1], generator)[0])])
+        return _coupled(draft_ids, children, p_target, coupled)
+    if n == 0:
+        return Verdict([], [_bonus(p_target, 0, generator)])
     vocab = p_target.shape[-1]
+    q_rows = None if q_draft is None else _pad_vocab(q_draft.float(), vocab)  # [n, vocab]
+    if parents is None:
+        return _chain(draft_ids, q_rows, p_target, generator)
+    return _tree(draft_ids, children, q_rows, p_target, generator)
+
+
+def verify_tree(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    p_target: Tensor,
+    generator: torch.Generator | None,
+    q_nodes: Tensor | None = None,
+    coupled: Coupled | None = None,
+) -> Verdict:
+    """`verify` of a tree, arguments in the tree's order (tokens, then parents)."""
+    return verify(tokens, q_nodes, p_target, generator, coupled, parents)
+
+
+def _coupled(
+    draft_ids: Sequence[int], children: list[list[int]], p_target: Tensor, coupled: Coupled
+) -> Verdict:
+    """The coupled walk: the target's token at each row is its argmax or seeded draw at
+    the row's depth; the walk descends into the child holding it (a chain's next draft
+    when it equals it) and stops, emitting that token, where no child does."""
+    path: list[int] = []
+    row = 0
+    while True:
+        token = coupled.pick(p_target[row], len(path))
+        match = [c for c in children[row] if int(draft_ids[c]) == token]
+        if not match:
+            return Verdict(path, [int(draft_ids[i]) for i in path] + [token])
+        path.append(match[0])
+        row = match[0] + 1
+
+
+def _chain(
+    draft_ids: Sequence[int],
+    q_rows: Tensor | None,
+    p_target: Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """The fast path for a chain: every draft's test in one vectorised step, one
+    uniform per draft."""
+    k = len(draft_ids)
     drafts = torch.tensor(list(draft_ids), dtype=torch.long)  # [k]
     p_at = p_target[:k].gather(-1, drafts[:, None]).squeeze(-1)  # [k]
-    if q_draft is None:
-        q_rows = None
+    if q_rows is None:
         q_at = torch.ones(k)
     else:
-        q_rows = _pad_vocab(q_draft.float(), vocab)  # [k, vocab]
         q_at = q_rows.gather(-1, drafts[:, None]).squeeze(-1)  # [k]
         _check_sampled(draft_ids, q_at)
     # u < p/q  <=>  u * q < p (q > 0, checked above)
@@ -88,20 +160,85 @@ def verify_chain(
     n = 0
     while n < k and accepted[n]:
         n += 1
+    path = list(range(n))
     kept = [int(t) for t in draft_ids[:n]]
     if n == k:
-        return Verdict(k, kept + [int(sample(p_target[k : k + 1], generator)[0])])
-    if q_rows is None:
-        residual = p_target[n].clone()
-        residual[drafts[n]] = 0.0
-    else:
-        residual = (p_target[n] - q_rows[n]).clamp_min(0.0)
+        return Verdict(path, kept + [_bonus(p_target, k, generator)])
+    q = None if q_rows is None else q_rows[n]
+    residual = _residual(p_target[n], int(draft_ids[n]), q)
+    return Verdict(path, kept + [_correction(residual, p_target[n], generator)])
+
+
+def _tree(
+    tokens: Sequence[int],
+    children: list[list[int]],
+    q_rows: Tensor | None,
+    p_target: Tensor,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Recursive rejection over siblings. At a node with target distribution p, each
+    child x in turn is accepted with probability min(1, p(x) / q(x)); after a rejection
+    p becomes the residual normalize(max(0, p - q)) (for a point mass: p with x
+    removed). If a child is accepted, descend into it; if none is, draw the correction
+    from the remaining p. The token emitted at every node is therefore distributed
+    exactly as p, so the output is the target's distribution. Greedy (one-hot p)
+    reduces to following the child equal to the target's argmax."""
+    path: list[int] = []
+    row = 0
+    while True:
+        p = p_target[row].float()  # what is left of the row's distribution (unnormalised)
+        accepted = None
+        for child in children[row]:
+            x = int(tokens[child])
+            total = float(p.sum())
+            if total <= 0:
+                break
+            if q_rows is None:
+                ratio = float(p[x]) / total  # a point mass: q(x) = 1
+                if float(torch.rand(1, generator=generator)) < ratio:
+                    accepted = child
+                    break
+                p = _residual(p, x, None)
+            else:
+                q = q_rows[child]
+                _check_sampled([x], q[x : x + 1])
+                if float(torch.rand(1, generator=generator)) * float(q[x]) * total < float(p[x]):
+                    accepted = child
+                    break
+                p = _residual(p / total, x, q)
+        if accepted is None:
+            fix = _correction(p, p_target[row].float(), generator)
+            return Verdict(path, [int(tokens[i]) for i in path] + [fix])
+        path.append(accepted)
+        row = accepted + 1
+        if not children[row]:
+            bonus = _bonus(p_target, row, generator)
+            return Verdict(path, [int(tokens[i]) for i in path] + [bonus])
+
+
+def _residual(p: Tensor, x: int, q: Tensor | None) -> Tensor:
+    """What is left of p [vocab] once draft x is rejected: max(0, p - q) for a draft
+    drawn from q [vocab], p with x removed for a point mass (q None)."""
+    if q is None:
+        left = p.clone()
+        left[x] = 0.0
+        return left
+    return (p - q).clamp_min(0.0)
+
+
+def _correction(residual: Tensor, p: Tensor, generator: torch.Generator | None) -> int:
+    """The token emitted where acceptance stopped: a draw from normalize(residual), or
+    from p itself when no mass is left (only reachable through rounding when p == q,
+    and p is then the answer)."""
     total = residual.sum()
-    if total <= 0:  # only reachable through rounding when p == q; p is then the answer
-        residual = p_target[n]
-        total = residual.sum()
-    fix = sample((residual / total)[None], generator)
-    return Verdict(n, kept + [int(fix[0])])
+    if total <= 0:
+        residual, total = p, p.sum()
+    return int(sample((residual / total)[None], generator)[0])
+
+
+def _bonus(p_target: Tensor, row: int, generator: torch.Generator | None) -> int:
+    """The token after the last accepted draft: a draw from the target's row."""
+    return int(sample(p_target[row : row + 1], generator)[0])
 
 
 def _check_sampled(draft_ids: Sequence[int], q_at: Tensor) -> None:
@@ -124,104 +261,3 @@ def _pad_vocab(q: Tensor, vocab: int) -> Tensor:
     if q.shape[-1] > vocab:
         raise ValueError(f"draft vocab {q.shape[-1]} is larger than the target vocab {vocab}")
     return torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
-
-
-@dataclass(frozen=True)
-class TreeVerdict:
-    """Outcome of verifying a draft tree.
-
-    path: indices of the accepted nodes, root to leaf (empty when none was accepted).
-    token_ids: their tokens followed by exactly one new token (the correction drawn at
-        the node where acceptance stopped, or the bonus below an accepted leaf).
-    """
-
-    path: list[int]
-    token_ids: list[int]
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.path)
-
-
-def verify_tree(
-    tokens: Sequence[int],
-    parents: Sequence[int],
-    p_target: Tensor,
-    generator: torch.Generator | None,
-    q_nodes: Tensor | None = None,
-    coupled: Coupled | None = None,
-) -> TreeVerdict:
-    """Apply the lossless rule to a tree of drafts (recursive rejection over siblings,
-    as in SpecInfer, Miao et al. 2024).
-
-    tokens: n drafted tokens, one per node; parents: each node's parent index, -1 for
-        children of the root (the last committed token). Siblings are tried in the
-        order given (put the draft's preferred candidate first).
-    p_target: [n + 1, vocab]: row 0 is the target's distribution after the root,
-        row i + 1 the distribution after node i (the tree's tokens on its path).
-    q_nodes: [n, vocab_q] the distribution each node's token was drawn from (siblings
-        drawn independently from their parent's q), or None for deterministic
-        candidates (top-k expansion, as EAGLE-2 does): point masses.
-
-    At a node with target distribution p, each child x in turn is accepted with
-    probability min(1, p(x) / q(x)); after a rejection p becomes normalize(max(0, p - q))
-    (for a point mass: p with x removed). If a child is accepted, descend into it; if
-    none is, draw the correction from the remaining p. The token emitted at every node
-    is therefore distributed exactly as p, so the output is the target's distribution.
-    Greedy (one-hot p) reduces to following the child equal to the target's argmax.
-    With `coupled` (a greedy or seeded request), the target's token at each node is its
-    argmax or seeded draw at the node's depth, and the walk follows the child holding it.
-    """
-    n = len(tokens)
-    if len(parents) != n:
-        raise ValueError(f"{len(parents)} parents for {n} tree nodes")
-    if p_target.shape[0] != n + 1:
-        raise ValueError(f"p_target has {p_target.shape[0]} rows, expected n + 1 = {n + 1}")
-    children: list[list[int]] = [[] for _ in range(n + 1)]  # by row: 0 = root
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"node {i} has parent {parent}: parents must come first")
-        children[parent + 1].append(i)
-    path: list[int] = []
-    row = 0
-    if coupled is not None:
-        while True:
-            token = coupled.pick(p_target[row], len(path))
-            match = [c for c in children[row] if int(tokens[c]) == token]
-            if not match:
-                return TreeVerdict(path, [int(tokens[i]) for i in path] + [token])
-            path.append(match[0])
-            row = match[0] + 1
-    vocab = p_target.shape[-1]
-    q_rows = _pad_vocab(q_nodes.float(), vocab) if q_nodes is not None else None
-    while True:
-        p = p_target[row].float().clone()
-        accepted = None
-        for child in children[row]:
-            x = int(tokens[child])
-            total = float(p.sum())
-            if total <= 0:
-                break
-            if q_rows is None:
-                ratio = float(p[x]) / total  # a point mass: q(x) = 1
-                if float(torch.rand(1, generator=generator)) < ratio:
-                    accepted = child
-                    break
-                p[x] = 0.0
-            else:
-                q = q_rows[child]
-                _check_sampled([x], q[x : x + 1])
-                if float(torch.rand(1, generator=generator)) * float(q[x]) * total < float(p[x]):
-                    accepted = child
-                    break
-                p = (p / total - q).clamp_min(0.0)
-        if accepted is None:
-            if float(p.sum()) <= 0:  # rounding when p == q: p itself is the answer
-                p = p_target[row].float()
-            fix = sample((p / p.sum())[None], generator)
-            return TreeVerdict(path, [int(tokens[i]) for i in path] + [int(fix[0])])
-        path.append(accepted)
-        row = accepted + 1
-        if not children[row]:
-            bonus = sample(p_target[row : row + 1].float(), generator)
-            return TreeVerdict(path, [int(tokens[i]) for i in path] + [int(bonus[0])])

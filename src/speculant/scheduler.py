@@ -5,9 +5,9 @@ One step, for the sequences s = 1..B that are running:
 
     k_s       = policy_s.choose(budget_s)                 how many to draft
     drafts_s  = lane_s.proposer.propose(tokens_s, k_s)    (batched when the proposer can)
-    logits    = target.forward_batch([tokens_s[-1], *drafts_s] for every s)
-    verdict_s = verify_chain(drafts_s, q_s, p_s)          accept / resample / bonus (or coupled)
-    cache_s.truncate(len(tokens_s) + accepted_s)          drop the rejected drafts
+    logits    = target.verify([tokens_s[-1], *drafts_s] for every s)   one batched pass
+    verdict_s = rejection.verify(drafts_s, q_s, p_s)      accept / resample / bonus (or coupled)
+    cache_s.commit(start_s, verdict_s.rows)               keep the accepted rows only
 
 A sequence that joins is prefilled on its own, then takes part in the next step (or,
 with a token budget, its prompt is prefilled in chunks that ride along in the steps'
@@ -34,12 +34,12 @@ import torch
 from speculant.adaptive import Others, Policy, StepCost, choose_batch
 from speculant.cache import KVCache
 from speculant.detokenize import TextTracker
-from speculant.models.decoder import Segment
 from speculant.models.model import Model
+from speculant.models.segment import Segment
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Draft, Proposer
 from speculant.proposers.base import CachesPrompt
-from speculant.rejection import TreeVerdict, Verdict, verify_chain, verify_tree
+from speculant.rejection import Verdict, verify
 from speculant.requests import GenerationResult, GenerationStats, StreamChunk
 from speculant.sampling import (
     Coupled,
@@ -51,6 +51,7 @@ from speculant.sampling import (
     process_logits,
     token_logprobs,
 )
+from speculant.tree import with_root
 
 
 @dataclass(frozen=True)
@@ -325,7 +326,7 @@ class Scheduler:
             start = len(seq.tokens) - 1
             tokens = torch.tensor([seq.tokens[-1], *seq.draft.token_ids], dtype=torch.long)
             parents = seq.draft.parents
-            tree = None if parents is None else [-1, *[p + 1 for p in parents]]
+            tree = None if parents is None else with_root(parents)
             segments.append(Segment(tokens, seq.cache, start, tree))
         decode_rows = sum(seg.tokens.shape[0] for seg in segments)
         chunks = self._prefill_chunks(decode_rows)
@@ -334,8 +335,7 @@ class Scheduler:
             segments.append(Segment(part, seq.cache, lo, logits=False))
         lanes = [seq.lane for seq in seqs] + [seq.lane for seq, _, _ in chunks]
         need_hidden = any(_needs_features(lane) for lane in lanes)
-        all_logits, hidden = self.target.net.forward_batch(segments, return_hidden=need_hidden)
-        assert all_logits is not None  # [k_s + 1, vocab] each
+        all_logits, hidden = self.target.verify(segments, features=need_hidden)  # [k_s + 1, vocab]
         for j, (seq, _, hi) in enumerate(chunks):
             seq.prefilled = hi
             self._observe_prompt(seq, None if hidden is None else hidden[len(seqs) + j])
@@ -346,7 +346,7 @@ class Scheduler:
         if not seqs:
             return []
         events = []
-        verdicts: list[Verdict | TreeVerdict] = []
+        verdicts: list[Verdict] = []
         emitted_rows: list[list[int]] = []  # the logits row of each token a verdict emits
         decoded = zip(seqs, all_logits[: len(seqs)], segments[: len(seqs)], strict=True)
         for i, (seq, logits, seg) in enumerate(decoded):
@@ -355,24 +355,17 @@ class Scheduler:
                 all_logits[i] = logits  # logprobs come from the same rows
             # Greedy verification needs only each row's argmax: the logits serve.
             p_target = logits if seq.params.greedy else process_logits(logits, seq.params)
-            q = seq.draft.q_probs
-            if seq.draft.parents is None:
-                verdict: Verdict | TreeVerdict = verify_chain(
-                    seq.draft.token_ids, q, p_target, seq.generator, seq.coupled()
-                )
-                rows = list(range(verdict.num_accepted + 1))
-                seq.cache.truncate(len(seq.tokens) + verdict.num_accepted)  # drop rejected drafts
-            else:
-                verdict = verify_tree(
-                    seq.draft.token_ids,
-                    seq.draft.parents,
-                    p_target,
-                    seq.generator,
-                    q,
-                    seq.coupled(),
-                )
-                rows = [0, *[j + 1 for j in verdict.path]]
-                seq.cache.keep_path(seg.start, seg.tree_kv, rows)  # the accepted path only
+            draft = seq.draft
+            verdict = verify(
+                draft.token_ids,
+                draft.q_probs,
+                p_target,
+                seq.generator,
+                seq.coupled(),
+                draft.parents,
+            )
+            rows = verdict.rows  # the rows behind the emitted tokens, root first
+            seq.cache.commit(seg.start, rows, seg.tree_kv)  # keep them, drop the rejected
             if hidden is not None and _needs_features(seq.lane):
                 seq.lane.proposer.observe(hidden[i][rows])  # type: ignore[attr-defined]
             verdicts.append(verdict)

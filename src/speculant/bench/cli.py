@@ -204,6 +204,56 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pass_cost_args(p: argparse.ArgumentParser) -> None:
+    """The --pass-cost group: what one pass over w new tokens costs, beside llama.cpp."""
+    g = p.add_argument_group(
+        "pass cost (--pass-cost)",
+        "What one model pass over w new tokens costs: speculation pays only where a verify\n"
+        "pass over k + 1 tokens costs little more than one token. For the target at --dtype\n"
+        "and the draft at --draft-dtype (unless --draft none): the median ms of a pass over\n"
+        "w tokens after a --pass-context-token prefix, its ratio to w = 1, and plain greedy\n"
+        "tokens/s over --max-tokens (default 32 here); llama.cpp's llama-bench on the same\n"
+        "GGUF files beside it ($SPECULANT_LLAMA_CPP_BIN or PATH). Writes results.json,\n"
+        "results.md and pass_cost.png under --out. See docs/benchmarks.md.",
+    )
+    g.add_argument(
+        "--pass-cost", action="store_true", help="run the pass-cost benchmark instead of the suite"
+    )
+    g.add_argument(
+        "--pass-widths",
+        type=_int_list(1),
+        default=[1, 2, 4, 8, 16],
+        metavar="W,...",
+        help="new tokens per pass (default 1,2,4,8,16; w=1 is always added)",
+    )
+    g.add_argument(
+        "--pass-context", type=positive_int, default=64, metavar="N", help="prefix tokens (64)"
+    )
+    g.add_argument(
+        "--pass-reps", type=positive_int, default=7, metavar="N", help="passes per width (7)"
+    )
+    g.add_argument(
+        "--pass-threads",
+        type=_int_list(1),
+        default=[],
+        metavar="T,...",
+        help="kernel thread counts taking turns, e.g. 2,1 (default: every core, or "
+        "$SPECULANT_THREADS); llama-bench runs at each",
+    )
+    g.add_argument(
+        "--kernel-paths",
+        type=_csv,
+        default=[""],
+        metavar="PATH,...",
+        help="native kernel paths taking turns (portable, avx2, avx512, avx512vnni), each "
+        "optionally with tuning knobs: avx512vnni+prefetch_inline=0 (default: the one the "
+        "CPU picks)",
+    )
+    g.add_argument(
+        "--no-llama-bench", action="store_true", help="skip llama.cpp's llama-bench beside it"
+    )
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` on the `speculant` command's subparsers."""
     p = subparsers.add_parser(
@@ -295,6 +345,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--trust-unverified", action="store_true", help="load unverified GGUF files")
     add_serve_args(p)
+    add_pass_cost_args(p)
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -334,8 +385,12 @@ class _RichProgress:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.serve and args.pass_cost:
+        raise ValueError("--serve and --pass-cost are two benchmarks: run one at a time")
     if args.serve:
         return cmd_bench_serve(args)
+    if args.pass_cost:
+        return cmd_bench_pass_cost(args)
     import torch
     from rich.console import Console
 
@@ -485,4 +540,80 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         return 1
     if result.lossless_checked:
         out.print("[green]identical-text check passed[/]: every configuration matched plain")
+    return 0
+
+
+def cmd_bench_pass_cost(args: argparse.Namespace) -> int:
+    """`speculant bench --pass-cost`: pass cost by width, ours and llama.cpp's."""
+    import datetime
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from speculant import native
+    from speculant.bench.measure import cpu_description
+    from speculant.bench.pass_cost import (
+        PassCostConfig,
+        engine_label,
+        pass_cell,
+        run_pass_cost,
+        write_outputs,
+    )
+    from speculant.models.model import load_model
+
+    if args.peers:
+        raise ValueError("--peers does not apply to --pass-cost: llama-bench runs beside it")
+    cfg = PassCostConfig(
+        widths=args.pass_widths,
+        context=args.pass_context,
+        new=args.max_tokens or 32,
+        reps=args.pass_reps,
+        paths=args.kernel_paths or [""],
+        threads=args.pass_threads,
+        llama_cpp=not args.no_llama_bench,
+    )
+    trust = args.trust_unverified
+    models = [("target", load_model(args.target, dtype=args.dtype, trust_unverified=trust))]
+    if args.draft not in (None, "none"):
+        draft = load_model(
+            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
+        )
+        models.append(("draft", draft))
+    if args.threads is None:
+        native.share_cores_if_native(*(m for _, m in models))
+    console = Console(stderr=True)
+    rows = run_pass_cost(models, cfg, say=lambda text: console.print(f"[dim]{text}[/]"))
+    data: dict[str, Any] = {
+        "meta": {
+            "command": "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu_description(),
+            "kernel_path": native.active_path() if native.available() else "none",
+        },
+        "config": {
+            "widths": cfg.widths,
+            "context": cfg.context,
+            "new": cfg.new,
+            "reps": cfg.reps,
+        },
+        "rows": rows,
+    }
+    table = Table(title=f"pass cost by width, ms (ratio to w=1): {data['meta']['cpu']}")
+    for col in ("role", "engine", "threads", *[f"w={w}" for w in cfg.widths], "plain tok/s"):
+        table.add_column(col, justify="left" if col in ("role", "engine") else "right")
+    for r in rows:
+        if "unavailable" in r:
+            table.add_row(r["role"], r["engine"], "", r["unavailable"])
+            continue
+        plain = f"{r['plain_tok_s']:.1f}" if "plain_tok_s" in r else "-"
+        table.add_row(
+            r["role"],
+            engine_label(r),
+            str(r["threads"]),
+            *[pass_cell(r, w) for w in cfg.widths],
+            plain,
+        )
+    Console().print(table)
+    written = write_outputs(data, args.out, plots=not args.no_plots)
+    console.print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -41,6 +41,8 @@ from speculant.models.formats import (  # noqa: F401 (re-exported)
     linear,
 )
 from speculant.models.numerics import Padding, calibrate, padded_rows
+from speculant.models.segment import Segment
+from speculant.tree import tree_depth, tree_depths, tree_paths
 
 
 @dataclass
@@ -122,27 +124,6 @@ class Weights:
         return None
 
 
-@dataclass
-class Segment:
-    """One sequence's part of a batched pass: tokens [T] written to cache rows
-    start..start+T-1, attending causally (a chain).
-
-    A draft tree sets `tree_parents`: token i's parent among the T tokens (-1: the
-    committed context). Each token then attends to the context and to its own
-    ancestors only, at the rotary position start + its depth, and gets bitwise the
-    logits it would get at the end of its path run as a chain (see `tree_paths`).
-    The pass leaves the cache's rows from `start` on unspecified and fills `tree_kv`
-    (every node's keys and values, per layer); `KVCache.keep_path` then writes the
-    accepted path's rows."""
-
-    tokens: Tensor  # [T] int64
-    cache: KVCache
-    start: int
-    tree_parents: list[int] | None = None  # [T]
-    tree_kv: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    logits: bool = True  # False: a prefill chunk; its logits come back empty [0, vocab]
-
-
 # The keys [lo, hi) each query row sees on the native path: (causal lo, sliding-window lo,
 # hi), each [rows] int64.
 KeyRanges = tuple[Tensor, Tensor, Tensor]
@@ -160,35 +141,6 @@ class _TreePath:
     causal: Tensor  # [rows, span] bool
     window: Tensor  # [rows, span] bool
     ranges: KeyRanges | None = None  # see _SegmentContext
-
-
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of every node (0 for children of the context); parents must come first."""
-    depth: list[int] = []
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"tree node {i} has parent {parent}: parents must come first")
-        depth.append(depth[parent] + 1 if parent >= 0 else 0)
-    return depth
-
-
-def tree_paths(parents: list[int]) -> list[list[int]]:
-    """Root-to-leaf paths of a tree (one per leaf, in node order), each a chain of
-    node indices; a tree with several roots (-1 parents) is a forest of chains."""
-    tree_depths(parents)  # validates
-    has_child = [False] * len(parents)
-    for parent in parents:
-        if parent >= 0:
-            has_child[parent] = True
-    paths = []
-    for leaf in (i for i, c in enumerate(has_child) if not c):
-        path = []
-        node = leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        paths.append(path[::-1])
-    return paths
 
 
 @dataclass
@@ -320,7 +272,7 @@ class Transformer:
             n_real = seg.tokens.shape[0]
             reach = n_real  # positions the segment occupies
             if seg.tree_parents is not None:
-                reach = max(tree_depths(seg.tree_parents), default=-1) + 1
+                reach = tree_depth(seg.tree_parents)
             if seg.start + reach > seg.cache.capacity:
                 raise ValueError(
                     f"positions up to {seg.start + reach} exceed the context capacity "
@@ -432,10 +384,8 @@ class Transformer:
         rounds differently, which could flip a near-tie argmax and break greedy
         equivalence."""
         assert seg.tree_parents is not None
-        n = len(seg.tree_parents)
-        if n != seg.tokens.shape[0]:
-            raise ValueError(f"{len(seg.tree_parents)} tree parents for {n} tokens")
-        depths = tree_depths(seg.tree_parents)
+        n = seg.tokens.shape[0]
+        depths = tree_depths(seg.tree_parents, n)  # validates the layout
         deepest = max(depths, default=-1)
         q_pos = torch.tensor(
             [seg.start + d for d in depths] + [seg.start + deepest + 1 + r for r in range(rows - n)]

@@ -14,9 +14,16 @@ from speculant import native
 from speculant.cache import KVCache
 from speculant.models import weight_cache
 from speculant.models.config import ModelConfig
-from speculant.models.decoder import Segment, Transformer, Weights
+from speculant.models.decoder import Transformer, Weights
 from speculant.models.integrity import check_folder_integrity, check_integrity, file_sha256
-from speculant.models.loader import ModelLoadError, load_gguf, load_gguf_native, load_hf_dir
+from speculant.models.loader import (
+    ModelLoadError,
+    builtin_model_path,
+    load_gguf,
+    load_gguf_native,
+    load_hf_dir,
+)
+from speculant.models.segment import Segment
 from speculant.models.tokenizer import Tokenizer
 
 DTYPES = {
@@ -95,6 +102,22 @@ class Model:
         assert logits is not None
         return logits
 
+    def verify(
+        self, segments: Sequence[Segment], *, features: bool = False
+    ) -> tuple[list[Tensor], list[Tensor] | None]:
+        """The scheduler's one target pass: every running sequence's verify segment (the
+        last committed token and its drafts, a chain or a tree) and prompt chunks
+        (`Segment.logits=False`), each against its own cache, in one batched pass.
+
+        Returns (logits [T_i, vocab] float32 per segment, empty for prompt chunks; with
+        `features`, the final-normed hidden states [T_i, dim] per segment, else None).
+        A chain segment's cache then holds its T_i rows; a tree segment's keeps its
+        earlier rows and leaves the nodes' keys and values in `tree_kv`: commit the
+        accepted rows with `KVCache.commit`."""
+        logits, hidden = self.net.forward_batch(list(segments), return_hidden=features)
+        assert logits is not None
+        return logits, hidden
+
     def prefill(
         self,
         token_ids: Sequence[int],
@@ -158,20 +181,9 @@ def load_model(
             path, torch_dtype, quant, progress, path.name, trust_unverified, auto_fallback
         )
     text = str(name_or_path)
-    # Only a built-in name needs the registry (to pull it on first use).
-    from speculant.models import registry
-
-    if text in registry.KNOWN_MODELS:
-        gguf_path = registry.pull(text, progress=progress)
-        return _load_path(
-            gguf_path, torch_dtype, quant, progress, text, trust_unverified, auto_fallback
-        )
-    if text.endswith(".gguf") or "/" in text or text.startswith("."):
-        raise ModelLoadError(f"model file or folder {text!r} does not exist")
-    known = ", ".join(sorted(registry.KNOWN_MODELS))
-    raise registry.UnknownModelError(
-        f"unknown model {text!r}: use a built-in name ({known}), a .gguf file, "
-        "or a Hugging Face folder with config.json and *.safetensors"
+    gguf_path = builtin_model_path(text, progress)  # pulled on first use
+    return _load_path(
+        gguf_path, torch_dtype, quant, progress, text, trust_unverified, auto_fallback
     )
 
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from speculant.models.decoder import tree_depths
 from speculant.sampling import SamplingParams
+from speculant.tree import check_parents, tree_depth
 
 if TYPE_CHECKING:
     from speculant.models.model import Model
@@ -44,18 +44,14 @@ class Draft:
                 f"q_probs has {self.q_probs.shape[0]} rows for {len(self.token_ids)} drafts"
             )
         if self.parents is not None:
-            if len(self.parents) != len(self.token_ids):
-                raise ValueError(
-                    f"{len(self.parents)} parents for {len(self.token_ids)} tree drafts"
-                )
-            tree_depths(self.parents)  # validates: parents come before their children
+            check_parents(self.parents, len(self.token_ids))
 
     @property
     def depth(self) -> int:
         """Tokens on the longest path (k for a chain)."""
         if self.parents is None:
             return len(self.token_ids)
-        return max(tree_depths(self.parents), default=-1) + 1
+        return tree_depth(self.parents)
 
 
 EMPTY_DRAFT = Draft([])

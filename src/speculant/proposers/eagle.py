@@ -19,7 +19,7 @@ not seen, then drafts:
   log-probability (a set closed under parents, since a child never scores above its
   parent) form the tree, siblings ordered best first. Candidates are deterministic
   (top-k), so the tree verifier treats them as point masses: recursive rejection over
-  siblings (SpecInfer, Miao et al. 2024; rejection.verify_tree) keeps the target's
+  siblings (SpecInfer, Miao et al. 2024; rejection.verify) keeps the target's
   distribution exactly at any temperature, and greedy follows the target's argmax.
 
 A reduced draft vocabulary only narrows which tokens can be drafted; q is zero

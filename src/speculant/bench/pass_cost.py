@@ -1,0 +1,302 @@
+"""`speculant bench --pass-cost`: what one model pass over w new tokens costs.
+
+Speculation pays only where a verify pass over k + 1 tokens costs little more than a
+one-token step, so this is the number every other figure rests on. For the target (and
+the draft, unless `--draft none`) at their dtypes, each width w in `--pass-widths` is
+timed as a pass over w new tokens after a `--pass-context`-token prefix (the cache is
+rewound between repeats, so every pass sees the same context); the median of
+`--pass-reps` passes, its ratio to w = 1, and plain greedy decoding tok/s over
+`--max-tokens` tokens. Kernel paths (`--kernel-paths avx2,avx512vnni`, optionally with
+tuning knobs: `avx512vnni+prefetch_inline=0`) and kernel thread counts
+(`--pass-threads 2,1`) take turns within every repeat, so that the machine's drift falls
+on all alike.
+
+llama.cpp's `llama-bench` ($SPECULANT_LLAMA_CPP_BIN or PATH) runs beside it on the same
+GGUF files at the same thread counts: `-p W1,W2,... -n N`, a pass over w tokens costing
+1000 w / (pp-w tokens/s) ms (its passes start from an empty context) and its tg-N
+tokens/s as plain decoding. When it is absent the rows say why.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speculant import native
+from speculant.bench.peers import LLAMA_CLI_HINT, llama_cli_binary
+from speculant.models.model import Model
+
+PROMPT = "def quicksort(items):\n    "
+
+
+@dataclass
+class PassCostConfig:
+    widths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    context: int = 64
+    new: int = 32  # tokens of plain decoding
+    reps: int = 7
+    paths: list[str] = field(default_factory=lambda: [""])  # "" = the one the CPU picks
+    threads: list[int] = field(default_factory=list)  # [] = the kernels' default
+    llama_cpp: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.widths or min(self.widths) < 1:
+            raise ValueError(f"pass widths {self.widths}: positive integers are wanted")
+        if 1 not in self.widths:
+            self.widths = [1, *self.widths]  # every ratio is to w = 1
+        self.widths = sorted(dict.fromkeys(self.widths))
+        if self.context < 1 or self.reps < 1 or self.new < 1:
+            raise ValueError(
+                f"context {self.context}, reps {self.reps}, new tokens {self.new}: each >= 1"
+            )
+        if self.threads and min(self.threads) < 1:
+            raise ValueError(f"pass threads {self.threads}: positive integers are wanted")
+        known = native.PATHS
+        for path in self.paths:
+            name = path.split("+", 1)[0]
+            if path and name not in known:
+                raise ValueError(f"kernel path {name!r}: use one of {', '.join(known)}")
+
+
+def _variants(cfg: PassCostConfig, model: Model) -> list[tuple[str, int | None]]:
+    """(kernel path, kernel threads) pairs that take turns; paths only for GGUF models."""
+    gguf = model.dtype_name == "gguf" and native.available()
+    paths = cfg.paths if gguf else [""]
+    threads: list[int | None] = list(cfg.threads) if cfg.threads else [None]
+    return [(p, t) for p in paths for t in threads]
+
+
+def _use(path: str, threads: int | None, defaults: dict[str, int]) -> None:
+    if not native.available():
+        return
+    native.set_path(path.split("+", 1)[0] if path else "auto")
+    for knob, value in defaults.items():
+        native.tune(knob, value)
+    for item in path.split("+")[1:]:
+        name, _, text = item.partition("=")
+        native.tune(name, int(text))
+    native.THREADS = threads if threads is not None else _DEFAULT_THREADS
+
+
+_DEFAULT_THREADS: int = native.THREADS
+
+
+def measure_model(
+    model: Model, role: str, cfg: PassCostConfig, say: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """One row per (kernel path, threads) of `model`: pass ms by width and plain tok/s."""
+    tok = model.tokenizer
+    assert tok is not None
+    ids = tok.encode(PROMPT * 64)[: cfg.context]
+    if len(ids) < cfg.context:
+        raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
+    cache = model.new_cache(cfg.context + max(cfg.widths) + cfg.new + 8)
+    model.prefill(ids, cache)
+    variants = _variants(cfg, model)
+    defaults = native.tuning() if native.available() else {}
+    rows: dict[tuple[str, int | None], dict[str, Any]] = {
+        v: {
+            "role": role,
+            "engine": "speculant",
+            "model": model.name,
+            "dtype": model.dtype_name,
+            "kernel_path": v[0] or (native.active_path() if native.available() else "torch"),
+            "threads": v[1] if v[1] is not None else _DEFAULT_THREADS,
+            "pass_ms": {},
+        }
+        for v in variants
+    }
+    try:
+        for w in cfg.widths:
+            tokens = ids[:w]
+            times: dict[tuple[str, int | None], list[float]] = {v: [] for v in variants}
+            for v in variants:
+                _use(*v, defaults)
+                model.forward(tokens, cache, cfg.context)  # warm
+            for _ in range(cfg.reps):
+                for v in variants:
+                    _use(*v, defaults)
+                    t0 = time.perf_counter()
+                    model.forward(tokens, cache, cfg.context)
+                    times[v].append(time.perf_counter() - t0)
+            for v in variants:
+                rows[v]["pass_ms"][w] = 1e3 * statistics.median(times[v])
+            say(
+                f"{role} {model.name}: w={w} "
+                + ", ".join(f"{rows[v]['pass_ms'][w]:.1f} ms" for v in variants)
+            )
+        speeds: dict[tuple[str, int | None], list[float]] = {v: [] for v in variants}
+        for _ in range(2):
+            for v in variants:
+                _use(*v, defaults)
+                cache.length = cfg.context
+                last = int(model.forward(ids[-1:], cache, cfg.context - 1)[-1].argmax())
+                t0 = time.perf_counter()
+                for i in range(cfg.new):
+                    last = int(model.forward([last], cache, cfg.context + i)[-1].argmax())
+                speeds[v].append(cfg.new / (time.perf_counter() - t0))
+        for v in variants:
+            rows[v]["plain_tok_s"] = statistics.median(speeds[v])
+    finally:
+        _use("", None, defaults)
+    return list(rows.values())
+
+
+def llama_bench_rows(
+    model: Model, role: str, cfg: PassCostConfig, say: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """llama.cpp's `llama-bench` on the model's GGUF file, one row per thread count; a row
+    with `unavailable` (and the reason) when it cannot run."""
+    base = {"role": role, "engine": "llama.cpp", "model": model.name, "dtype": "gguf"}
+    tool = llama_cli_binary("llama-bench")
+    src = model.source
+    if src is None or src.suffix != ".gguf":
+        return [base | {"unavailable": f"{model.name} was not loaded from a GGUF file"}]
+    if tool is None:
+        return [base | {"unavailable": f"llama-bench not found: {LLAMA_CLI_HINT}"}]
+    rows = []
+    for threads in cfg.threads or [_DEFAULT_THREADS]:
+        cmd = [
+            str(tool),
+            "-m",
+            str(src),
+            "-t",
+            str(threads),
+            "-p",
+            ",".join(str(w) for w in cfg.widths),
+            "-n",
+            str(cfg.new),
+            "-r",
+            str(min(cfg.reps, 3)),
+            "-o",
+            "json",
+        ]
+        say(f"{role} {model.name}: llama-bench -t {threads}")
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        row: dict[str, Any] = base | {"threads": threads, "command": " ".join(cmd[0:1] + cmd[3:])}
+        if out.returncode != 0:
+            tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            rows.append(row | {"unavailable": f"llama-bench exited {out.returncode}: {tail}"})
+            continue
+        try:
+            entries = json.loads(out.stdout)
+        except json.JSONDecodeError:
+            rows.append(row | {"unavailable": "llama-bench printed no JSON"})
+            continue
+        row["pass_ms"], row["build"] = {}, None
+        for e in entries:
+            row["build"] = e.get("build_commit", row["build"])
+            if e.get("n_prompt", 0) > 0 and e.get("n_gen", 0) == 0:
+                row["pass_ms"][int(e["n_prompt"])] = 1e3 * e["n_prompt"] / e["avg_ts"]
+            elif e.get("n_gen", 0) > 0 and e.get("n_prompt", 0) == 0:
+                row["plain_tok_s"] = float(e["avg_ts"])
+        rows.append(row)
+    return rows
+
+
+def run_pass_cost(
+    models: Sequence[tuple[str, Model]], cfg: PassCostConfig, say: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """Rows for every (role, model): ours, then llama.cpp's on the same file."""
+    rows: list[dict[str, Any]] = []
+    for role, model in models:
+        rows += measure_model(model, role, cfg, say)
+        if cfg.llama_cpp:
+            rows += llama_bench_rows(model, role, cfg, say)
+    return rows
+
+
+def pass_cell(row: dict[str, Any], w: int) -> str:
+    ms = row.get("pass_ms", {})
+    if w not in ms:
+        return "-"
+    return f"{ms[w]:.1f} ({ms[w] / ms[1]:.2f}x)" if 1 in ms else f"{ms[w]:.1f}"
+
+
+def engine_label(row: dict[str, Any]) -> str:
+    if row["engine"] == "llama.cpp":
+        return "llama.cpp"
+    return f"speculant {row['dtype']}" + (
+        f" {row['kernel_path']}" if row["dtype"] == "gguf" else ""
+    )
+
+
+def markdown(data: dict[str, Any]) -> str:
+    widths = data["config"]["widths"]
+    lines = [
+        f"# Pass cost: {data['meta']['cpu']}",
+        "",
+        f"`{data['meta']['command']}` ({data['meta']['when']}). A pass over w new tokens after "
+        f"a {data['config']['context']}-token context (llama.cpp: from an empty context), "
+        "median ms and its ratio to w = 1; plain: greedy decoding tokens/s.",
+        "",
+        "| role | model | engine | threads | "
+        + " | ".join(f"w={w}" for w in widths)
+        + " | plain tok/s |",
+        "|---|---|---|---|" + "---|" * (len(widths) + 1),
+    ]
+    for r in data["rows"]:
+        if "unavailable" in r:
+            lines.append(f"| {r['role']} | {r['model']} | {r['engine']} | | {r['unavailable']} |")
+            continue
+        cells = [pass_cell(r, w) for w in widths]
+        plain = f"{r['plain_tok_s']:.1f}" if "plain_tok_s" in r else "-"
+        lines.append(
+            f"| {r['role']} | {r['model']} | {engine_label(r)} | {r['threads']} | "
+            + " | ".join(cells)
+            + f" | {plain} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(data: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if r.get("pass_ms")]
+    roles = sorted({r["role"] for r in rows})
+    fig, axes = plt.subplots(1, len(roles), figsize=(6 * len(roles), 4.2), squeeze=False)
+    for ax, role in zip(axes[0], roles, strict=True):
+        for r in rows:
+            if r["role"] != role:
+                continue
+            ws = sorted(r["pass_ms"])
+            style = "--" if r["engine"] == "llama.cpp" else "-"
+            ax.plot(
+                ws,
+                [r["pass_ms"][w] for w in ws],
+                style,
+                marker="o",
+                label=f"{engine_label(r)}, {r['threads']} threads",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(data["config"]["widths"], [str(w) for w in data["config"]["widths"]])
+        ax.set_xlabel("new tokens in the pass (w)")
+        ax.set_ylabel("ms per pass (median)")
+        ax.set_title(f"{role}: {rows[0]['model'] if len(roles) == 1 else role}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Cost of one pass by width")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(data: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md"]
+    # JSON keys must be strings: widths become "1", "2", ...
+    (out / "results.json").write_text(json.dumps(data, indent=2, default=str))
+    (out / "results.md").write_text(markdown(data))
+    if plots and any(r.get("pass_ms") for r in data["rows"]):
+        paths.append(write_plot(data, out / "pass_cost.png"))
+    return paths

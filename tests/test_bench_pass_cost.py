@@ -1,0 +1,72 @@
+"""`speculant bench --pass-cost` end to end on tiny random models: the report's rows, the
+ratios to one token, llama.cpp's row when llama-bench is absent, and argument errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny import tiny_chat_model
+
+from speculant.cli import main
+from speculant.models.model import Model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    root = tmp_path_factory.mktemp("pass-cost-models")
+    return (
+        tiny_chat_model(root / "target", seed=1, layers=2),
+        tiny_chat_model(root / "draft", seed=2, layers=1),
+    )
+
+
+def test_pass_cost_end_to_end(
+    pair: tuple[Model, Model], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, draft = pair
+    monkeypatch.setenv("SPECULANT_LLAMA_CPP_BIN", str(tmp_path / "no-llama"))
+    out = tmp_path / "out"
+    argv = ["bench", "--pass-cost", "--target", str(target.source), "--draft", str(draft.source)]
+    argv += ["--dtype", "float32", "--draft-dtype", "float32", "--pass-widths", "4,2"]
+    argv += ["--pass-reps", "2", "--pass-context", "8", "--max-tokens", "4", "--out", str(out)]
+    assert main(argv) == 0
+    for name in ("results.json", "results.md", "pass_cost.png"):
+        assert (out / name).is_file(), name
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["widths"] == [1, 2, 4]  # w=1 added, sorted
+    ours = [r for r in data["rows"] if r["engine"] == "speculant"]
+    assert [r["role"] for r in ours] == ["target", "draft"]
+    for r in ours:
+        assert set(r["pass_ms"]) == {"1", "2", "4"}
+        assert all(ms > 0 for ms in r["pass_ms"].values())
+        assert r["plain_tok_s"] > 0
+    # not GGUF files: llama.cpp's rows say why instead of a number
+    peers = [r for r in data["rows"] if r["engine"] == "llama.cpp"]
+    assert len(peers) == 2 and all("GGUF" in r["unavailable"] for r in peers)
+    md = (out / "results.md").read_text()
+    assert "| target |" in md and "(1.00x)" in md
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--pass-widths", "0"], "0 is out of range"),
+        (["--pass-threads", "two"], "'two'"),
+        (["--kernel-paths", "sse9"], "kernel path 'sse9'"),
+        (["--serve"], "one at a time"),
+    ],
+)
+def test_pass_cost_bad_arguments_are_named(
+    pair: tuple[Model, Model], extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, _ = pair
+    argv = ["bench", "--pass-cost", "--target", str(target.source), "--draft", "none"]
+    argv += ["--dtype", "float32", *extra]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse refuses a malformed value
+        code = exc.code
+    assert code != 0
+    assert message in capsys.readouterr().err
