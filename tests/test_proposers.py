@@ -164,3 +164,35 @@ def test_adaptive_k_estimates_conditional_acceptance_without_bias() -> None:
             accepted += 1
         policy.observe(k, accepted, 0.01 * k, 0.2)
     assert all(abs(r - 0.9) < 0.05 for r in policy.rates()[:5]), policy.rates()
+
+
+def test_optional_abilities_are_protocols(tiny_root) -> None:  # type: ignore[no-untyped-def]
+    """Each built-in proposer has exactly the optional abilities docs/proposers.md lists,
+    seen through the protocols the scheduler checks (no attribute probing)."""
+    from speculant.proposers import CachesPrompt, DraftsTogether, Spawns, UsesFeatures
+
+    target = tiny_model(tiny_root, "llama", seed=1, num_hidden_layers=4)
+    want = {
+        "none": set(),
+        "ngram": set(),
+        "suffix": set(),
+        "draft": {"DraftsTogether", "CachesPrompt"},
+        "layer-skip": {"DraftsTogether", "CachesPrompt"},
+        "eagle": {"UsesFeatures"},
+    }
+    assert set(want) == set(available_methods())
+    for method, abilities in want.items():
+        kwargs = _method_kwargs(method, target, tiny_root)
+        options = kwargs.pop("proposer_options", {})
+        proposer = make_proposer(method, target, kwargs.get("draft"), **options)
+        assert isinstance(proposer, Spawns), method  # every built-in serves concurrent requests
+        have = {
+            name
+            for name, ok in [
+                ("DraftsTogether", issubclass(type(proposer), DraftsTogether)),
+                ("CachesPrompt", isinstance(proposer, CachesPrompt)),
+                ("UsesFeatures", isinstance(proposer, UsesFeatures)),
+            ]
+            if ok
+        }
+        assert have == abilities, method

@@ -38,7 +38,7 @@ from speculant.models.model import Model
 from speculant.models.segment import Segment
 from speculant.prefix_cache import PrefixCache
 from speculant.proposers import Draft, Proposer
-from speculant.proposers.base import CachesPrompt
+from speculant.proposers.base import CachesPrompt, DraftsTogether, UsesFeatures
 from speculant.rejection import Verdict, verify
 from speculant.requests import GenerationResult, GenerationStats, StreamChunk
 from speculant.sampling import (
@@ -251,7 +251,9 @@ class Scheduler:
             return
         part = hidden if seq.prompt_hidden is None else torch.cat([seq.prompt_hidden, hidden])
         seq.prompt_hidden = part
-        seq.lane.proposer.observe(hidden)  # type: ignore[attr-defined]
+        proposer = seq.lane.proposer
+        assert isinstance(proposer, UsesFeatures)
+        proposer.observe(hidden)
 
     def _copy_prefill(self, source: SequenceState, seq: SequenceState) -> None:
         seq.cache.copy_from(source.cache)
@@ -366,8 +368,13 @@ class Scheduler:
             )
             rows = verdict.rows  # the rows behind the emitted tokens, root first
             seq.cache.commit(seg.start, rows, seg.tree_kv)  # keep them, drop the rejected
-            if hidden is not None and _needs_features(seq.lane):
-                seq.lane.proposer.observe(hidden[i][rows])  # type: ignore[attr-defined]
+            proposer = seq.lane.proposer
+            if (
+                hidden is not None
+                and isinstance(proposer, UsesFeatures)
+                and proposer.needs_features
+            ):
+                proposer.observe(hidden[i][rows])
             verdicts.append(verdict)
             emitted_rows.append(rows)
         t_done = time.perf_counter()
@@ -438,7 +445,7 @@ def _draft_depth(seqs: list[SequenceState]) -> int:
 
 
 def _drafts_together(kind: type) -> bool:
-    return getattr(kind, "propose_many", None) is not None
+    return issubclass(kind, DraftsTogether)
 
 
 def _propose_all(seqs: list[SequenceState]) -> None:
@@ -450,9 +457,8 @@ def _propose_all(seqs: list[SequenceState]) -> None:
         if seq.k > 0:
             groups.setdefault(type(seq.lane.proposer), []).append(seq)
     for kind, members in groups.items():
-        many = getattr(kind, "propose_many", None)
-        if many is not None and len(members) > 1:
-            drafts = many(
+        if issubclass(kind, DraftsTogether) and len(members) > 1:
+            drafts = kind.propose_many(
                 [s.lane.proposer for s in members],
                 [s.tokens for s in members],
                 [s.k for s in members],
@@ -487,4 +493,5 @@ def _row_histories(seq: SequenceState) -> list[list[int]]:
 
 def _needs_features(lane: Lane) -> bool:
     """Whether the lane's proposer drafts from the target's features (EAGLE)."""
-    return bool(getattr(lane.proposer, "needs_features", False))
+    proposer = lane.proposer
+    return isinstance(proposer, UsesFeatures) and proposer.needs_features

@@ -8,9 +8,13 @@ from speculant.proposers import ngram as _ngram  # noqa: F401
 from speculant.proposers import suffix as _suffix  # noqa: F401
 from speculant.proposers.base import (
     EMPTY_DRAFT,
+    CachesPrompt,
     Draft,
+    DraftsTogether,
     NoProposer,
     Proposer,
+    Spawns,
+    UsesFeatures,
     available_methods,
     make_proposer,
     register,
@@ -20,10 +24,14 @@ from speculant.proposers.draft_model import DraftModelProposer, TokenizerMismatc
 
 __all__ = [
     "EMPTY_DRAFT",
+    "CachesPrompt",
     "Draft",
     "DraftModelProposer",
+    "DraftsTogether",
     "NoProposer",
     "Proposer",
+    "Spawns",
+    "UsesFeatures",
     "TokenizerMismatchError",
     "available_methods",
     "make_proposer",

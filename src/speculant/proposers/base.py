@@ -68,10 +68,9 @@ class Proposer(Protocol):
         step with `context` itself (rolling back what the target rejected).
     end: the request is over; `tokens` is every committed token (prompt + output).
         Release per-request state (a proposer may keep what it learned across requests).
-    spawn (optional): a fresh proposer of the same kind and settings for another
-        concurrent request, sharing what is read-only (a draft model, a calibration).
-    propose_many (optional, a staticmethod): draft for several proposers of this kind
-        at once, e.g. one batched draft-model pass per position for every sequence.
+    Optional abilities are protocols of their own, checked with isinstance: `Spawns`
+    (concurrent requests), `DraftsTogether` (batched drafting), `UsesFeatures` (drafts
+    from the target's features) and `CachesPrompt` (a cache of its own).
     """
 
     name: str
@@ -87,6 +86,41 @@ class Proposer(Protocol):
     ) -> Draft: ...
 
     def end(self, tokens: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class Spawns(Protocol):
+    """A proposer that can serve concurrent requests: `spawn` makes a fresh one of the
+    same kind and settings, sharing what is read-only (a draft model, a calibration)."""
+
+    def spawn(self) -> Proposer: ...
+
+
+@runtime_checkable
+class DraftsTogether(Protocol):
+    """A proposer kind that drafts for several of its proposers at once (`propose_many`,
+    a staticmethod: one batched draft-model pass per position for every sequence),
+    giving each bitwise the draft its own `propose` would."""
+
+    @staticmethod
+    def propose_many(
+        proposers: Sequence[Any],
+        contexts: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator],
+    ) -> list[Draft]: ...
+
+
+@runtime_checkable
+class UsesFeatures(Protocol):
+    """A proposer that drafts from the target's final hidden states (EAGLE): when
+    `needs_features` is true the scheduler asks the target pass for them and hands each
+    sequence's rows (prompt rows, then the rows behind every emitted token) to `observe`."""
+
+    needs_features: bool
+
+    def observe(self, features: torch.Tensor) -> None: ...
 
 
 @runtime_checkable
@@ -129,13 +163,11 @@ class NoProposer:
 
 def spawn_proposer(proposer: Proposer) -> Proposer:
     """A proposer for one more concurrent request (see Proposer.spawn)."""
-    spawn = getattr(proposer, "spawn", None)
-    if spawn is None:
+    if not isinstance(proposer, Spawns):
         raise ValueError(
             f"proposer {proposer.name!r} cannot serve concurrent requests: it has no spawn()"
         )
-    fresh: Proposer = spawn()
-    return fresh
+    return proposer.spawn()
 
 
 ProposerFactory = Callable[..., Proposer]
