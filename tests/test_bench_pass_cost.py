@@ -55,7 +55,7 @@ def test_pass_cost_end_to_end(
         (["--pass-widths", "0"], "0 is out of range"),
         (["--pass-threads", "two"], "'two'"),
         (["--kernel-paths", "sse9"], "kernel path 'sse9'"),
-        (["--serve"], "one at a time"),
+        (["--serve"], "run one at a time"),
     ],
 )
 def test_pass_cost_bad_arguments_are_named(

@@ -20,9 +20,10 @@ from test_distribution import SMALL, chi2_rejects, exact_two_token
 from tiny import tiny_chat_model
 
 from speculant import Engine, SamplingParams
+from speculant.eagle.data import FeatureData, extract_features
 from speculant.eagle.export import eagle_config, eagle_tensors, export_head, import_eagle
 from speculant.eagle.head import EagleHead, HeadConfig, HeadLoadError, load_head, save_head
-from speculant.eagle.train import FeatureData, TrainOptions, extract_features, run, train_head
+from speculant.eagle.train import TrainOptions, run, train_head
 from speculant.models.model import Model
 from speculant.proposers import Draft
 from speculant.proposers.eagle import EagleProposer, dense_rows

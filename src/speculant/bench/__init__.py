@@ -4,13 +4,9 @@ see docs/benchmarks.md for what each figure means."""
 
 from speculant.bench.peers import PEER_NAMES, PeerSpec, PeerUnavailable, expand_peers
 from speculant.bench.report import render_table, write_outputs
-from speculant.bench.runner import (
-    BenchConfig,
-    BenchResult,
-    MethodSpec,
-    parse_methods,
-    run_bench,
-)
+from speculant.bench.rows import BenchResult
+from speculant.bench.runner import run_bench
+from speculant.bench.specs import BenchConfig, MethodSpec, parse_methods
 from speculant.bench.workloads import (
     WORKLOAD_NAMES,
     Prompt,

@@ -13,6 +13,7 @@ from typing import Any
 from speculant.argtypes import add_dtype_args, positive_int, seed_value
 from speculant.bench.measure import DEFAULT_WATTS_PER_CORE
 from speculant.bench.peers import PEER_GROUPS, PEER_NAMES
+from speculant.bench.quant import add_quant_args
 from speculant.bench.workloads import WORKLOAD_NAMES
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -46,7 +47,7 @@ def _csv(text: str) -> list[str]:
 
 
 def _k_list(text: str) -> list[int | str]:
-    from speculant.bench.runner import parse_k
+    from speculant.bench.specs import parse_k
 
     try:
         return [parse_k(part) for part in _csv(text)]
@@ -346,6 +347,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--trust-unverified", action="store_true", help="load unverified GGUF files")
     add_serve_args(p)
     add_pass_cost_args(p)
+    add_quant_args(p)
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -385,17 +387,26 @@ class _RichProgress:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.serve and args.pass_cost:
-        raise ValueError("--serve and --pass-cost are two benchmarks: run one at a time")
+    modes = [m for m in ("serve", "pass_cost", "quant_quality") if getattr(args, m)]
+    if len(modes) > 1:
+        names = " and ".join("--" + m.replace("_", "-") for m in modes)
+        raise ValueError(f"{names} are separate benchmarks: run one at a time")
     if args.serve:
         return cmd_bench_serve(args)
     if args.pass_cost:
         return cmd_bench_pass_cost(args)
+    if args.quant_quality:
+        from speculant.bench.quant import cmd_quant_quality
+
+        return cmd_quant_quality(
+            args, "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        )
     import torch
     from rich.console import Console
 
     from speculant.bench.report import peer_lines, render_table, write_outputs
-    from speculant.bench.runner import BenchConfig, parse_methods, run_bench
+    from speculant.bench.runner import run_bench
+    from speculant.bench.specs import BenchConfig, parse_methods
     from speculant.models.model import load_model
 
     if args.threads is not None:

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from speculant.bench.runner import ALL, BASELINE, BenchResult
+from speculant.bench.rows import ALL, BenchResult
+from speculant.bench.specs import BASELINE
 
 PLOTS = ("speedup_by_workload.png", "acceptance_by_position.png", "tokens_per_s_vs_k.png")
 

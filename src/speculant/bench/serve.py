@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from speculant.bench.measure import cpu_description, percentile
-from speculant.bench.runner import BASELINE, MethodSpec, parse_methods
+from speculant.bench.specs import BASELINE, MethodSpec, parse_methods
 from speculant.bench.workloads import load_workload
 from speculant.engine import Engine
 from speculant.models.model import Model

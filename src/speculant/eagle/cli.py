@@ -79,7 +79,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_args(eagle: argparse.ArgumentParser) -> None:
-    from speculant.eagle.train import BUILTIN_SOURCES, TrainOptions
+    from speculant.eagle.data import BUILTIN_SOURCES
+    from speculant.eagle.train import TrainOptions
 
     d = TrainOptions()
     eagle.add_argument(

@@ -309,7 +309,7 @@ def load_head(folder: str | Path, *, trust_unverified: bool = False) -> EagleHea
     if not (path / CONFIG_FILE).is_file() or not (path / HEAD_FILE).is_file():
         raise HeadLoadError(
             f"EAGLE head folder {str(folder)!r} must hold {CONFIG_FILE} and {HEAD_FILE} "
-            "(write one with: speculant train eagle --target NAME --out DIR)"
+            "(write one with: speculant eagle train --target NAME --out DIR)"
         )
     # The head's own files only: training leaves data.pt and checkpoint.pt beside them.
     listed = read_manifest(path)
@@ -324,8 +324,8 @@ def load_head(folder: str | Path, *, trust_unverified: bool = False) -> EagleHea
     if not listed and not trust_unverified:
         raise HeadLoadError(
             f"EAGLE head {path} has no manifest.json to check its SHA-256 against: "
-            "write one with `speculant verify DIR --write-manifest` if you trust it, or pass "
-            "--trust-unverified"
+            "write one with `speculant models verify DIR --write-manifest` if you trust it, "
+            "or pass --trust-unverified"
         )
     try:
         cfg = HeadConfig.load(path / CONFIG_FILE)

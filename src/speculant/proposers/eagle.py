@@ -84,7 +84,7 @@ def check_head_pairing(head: EagleHead, target: Model) -> None:
         raise HeadLoadError(
             f"EAGLE head for {cfg.target!r} cannot draft for {target.name!r}: "
             + "; ".join(problems)
-            + ". Train one for this target: speculant train eagle --target NAME --out DIR"
+            + ". Train one for this target: speculant eagle train --target NAME --out DIR"
         )
 
 
