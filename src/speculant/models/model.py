@@ -161,14 +161,16 @@ def parse_dtype(dtype: str | torch.dtype) -> tuple[torch.dtype, str | None]:
 
 def load_model(
     name_or_path: str | Path,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     progress: bool = True,
     trust_unverified: bool = False,
     auto_fallback: str = "bfloat16",
 ) -> Model:
     """Load a registry name (pulled on first use), a .gguf file or a Hugging Face folder.
 
-    dtype "auto" is "gguf" for a .gguf source and `auto_fallback` for a folder.
+    dtype "auto" (the default, as on the command line) is "gguf" for a .gguf source (its
+    own quantized blocks on the native kernels, or int8 where they are unavailable) and
+    `auto_fallback` for a folder; "bfloat16", "float32", "int8" and "int4" choose.
 
     A GGUF file that the registry or a manifest.json beside it vouches for is checked
     against that SHA-256 before loading; a mismatch is refused unless trust_unverified."""
