@@ -386,6 +386,33 @@ class _RichProgress:
         self.bar.console.print(f"[yellow]{text}[/]")
 
 
+def _command() -> str:
+    """The command line, as reports quote it."""
+    return "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _load_models(args: argparse.Namespace, with_draft: bool) -> tuple[Any, Any]:
+    """The target (and the draft when asked) as the flags say, and the threads: --threads
+    for PyTorch, else PyTorch on one core beside the native kernels."""
+    import torch
+
+    from speculant import native
+    from speculant.models.model import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    trust = args.trust_unverified
+    target = load_model(args.target, dtype=args.dtype, trust_unverified=trust)
+    draft = None
+    if with_draft:
+        draft = load_model(
+            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
+        )
+    if args.threads is None:
+        native.share_cores_if_native(target, draft)
+    return target, draft
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     modes = [m for m in ("serve", "pass_cost", "quant_quality") if getattr(args, m)]
     if len(modes) > 1:
@@ -398,35 +425,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.quant_quality:
         from speculant.bench.quant import cmd_quant_quality
 
-        return cmd_quant_quality(
-            args, "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        )
-    import torch
+        return cmd_quant_quality(args, _command())
     from rich.console import Console
 
     from speculant.bench.report import peer_lines, render_table, write_outputs
     from speculant.bench.runner import run_bench
     from speculant.bench.specs import BenchConfig, parse_methods
-    from speculant.models.model import load_model
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     specs = parse_methods(args.methods, args.k)  # fail on a bad spec before loading models
     needs_draft = any(s.method == "draft" for s in specs) or any(
         p in ("all", "hf", "transformers-assisted") for p in args.peers
     )
     console = Console(stderr=True)
-    trust = args.trust_unverified
-    target = load_model(args.target, dtype=args.dtype, trust_unverified=trust)
-    draft = None
-    if needs_draft:
-        draft = load_model(
-            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
-        )
-    if args.threads is None:
-        from speculant import native
-
-        native.share_cores_if_native(target, draft)
+    target, draft = _load_models(args, needs_draft)
     config = BenchConfig(
         workloads=args.workloads,
         methods=args.methods,
@@ -444,10 +455,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         watts_per_core=args.watts_per_core,
     )
-    command = "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     progress = _RichProgress(console)
     with progress.bar:
-        result = run_bench(target, draft, config, progress=progress, command=command)
+        result = run_bench(target, draft, config, progress=progress, command=_command())
     # A file or pipe gets a wide table, not rich's 80-column default.
     out = Console() if sys.stdout.isatty() else Console(width=150)
     out.print(render_table(result))
@@ -471,7 +481,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """`speculant bench --serve`: the server-load benchmark and its scenarios."""
-    import torch
     from rich.console import Console
 
     from speculant.bench.serve import (
@@ -480,7 +489,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         run_serve_bench,
         write_serve_outputs,
     )
-    from speculant.models.model import load_model
 
     if args.peers:
         raise ValueError("--peers does not apply to --serve: peers run in `speculant bench`")
@@ -488,8 +496,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(
             "--no-load leaves nothing to run: add --long-prompt-join, --chat-second-turn or --batch"
         )
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     config = ServeConfig(
         methods=args.methods,
         ks=args.k,
@@ -518,19 +524,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         from speculant.bench.serve import require_openai
 
         require_openai()
-    trust = args.trust_unverified
-    target = load_model(args.target, dtype=args.dtype, trust_unverified=trust)
-    draft = None
-    if any(s.method == "draft" for s in specs):
-        draft = load_model(
-            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
-        )
-    if args.threads is None:
-        from speculant import native
-
-        native.share_cores_if_native(target, draft)
+    target, draft = _load_models(args, any(s.method == "draft" for s in specs))
     console = Console(stderr=True)
-    command = "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = _command()
     result = run_serve_bench(
         target,
         draft,
@@ -556,21 +552,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_pass_cost(args: argparse.Namespace) -> int:
     """`speculant bench --pass-cost`: pass cost by width, ours and llama.cpp's."""
-    import datetime
-
     from rich.console import Console
-    from rich.table import Table
 
-    from speculant import native
-    from speculant.bench.measure import cpu_description
     from speculant.bench.pass_cost import (
         PassCostConfig,
-        engine_label,
-        pass_cell,
+        render_table,
+        report,
         run_pass_cost,
         write_outputs,
     )
-    from speculant.models.model import load_model
 
     if args.peers:
         raise ValueError("--peers does not apply to --pass-cost: llama-bench runs beside it")
@@ -583,48 +573,12 @@ def cmd_bench_pass_cost(args: argparse.Namespace) -> int:
         threads=args.pass_threads,
         llama_cpp=not args.no_llama_bench,
     )
-    trust = args.trust_unverified
-    models = [("target", load_model(args.target, dtype=args.dtype, trust_unverified=trust))]
-    if args.draft not in (None, "none"):
-        draft = load_model(
-            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
-        )
-        models.append(("draft", draft))
-    if args.threads is None:
-        native.share_cores_if_native(*(m for _, m in models))
+    target, draft = _load_models(args, args.draft not in (None, "none"))
+    models = [("target", target)] + ([("draft", draft)] if draft is not None else [])
     console = Console(stderr=True)
     rows = run_pass_cost(models, cfg, say=lambda text: console.print(f"[dim]{text}[/]"))
-    data: dict[str, Any] = {
-        "meta": {
-            "command": "speculant " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": cpu_description(),
-            "kernel_path": native.active_path() if native.available() else "none",
-        },
-        "config": {
-            "widths": cfg.widths,
-            "context": cfg.context,
-            "new": cfg.new,
-            "reps": cfg.reps,
-        },
-        "rows": rows,
-    }
-    table = Table(title=f"pass cost by width, ms (ratio to w=1): {data['meta']['cpu']}")
-    for col in ("role", "engine", "threads", *[f"w={w}" for w in cfg.widths], "plain tok/s"):
-        table.add_column(col, justify="left" if col in ("role", "engine") else "right")
-    for r in rows:
-        if "unavailable" in r:
-            table.add_row(r["role"], r["engine"], "", r["unavailable"])
-            continue
-        plain = f"{r['plain_tok_s']:.1f}" if "plain_tok_s" in r else "-"
-        table.add_row(
-            r["role"],
-            engine_label(r),
-            str(r["threads"]),
-            *[pass_cell(r, w) for w in cfg.widths],
-            plain,
-        )
-    Console().print(table)
+    data = report(rows, cfg, _command())
+    Console().print(render_table(data))
     written = write_outputs(data, args.out, plots=not args.no_plots)
     console.print("wrote " + ", ".join(str(p) for p in written))
     return 0

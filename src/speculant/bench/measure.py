@@ -295,3 +295,39 @@ def cpu_description() -> str:
     import platform
 
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs"
+
+
+def now_utc() -> str:
+    """The time a report was started, ISO 8601 in UTC to the second."""
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a report was measured on (every report's "machine" entry)."""
+    import platform
+
+    import torch
+
+    return {
+        "cpu": cpu_description(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def model_info(m: Any) -> dict[str, Any] | None:
+    """A loaded model as reports name it (None for no model)."""
+    if m is None:
+        return None
+    return {
+        "name": m.name,
+        "source": str(m.source) if m.source else None,
+        "arch": m.config.arch,
+        "layers": m.config.n_layers,
+        "dtype": m.dtype_name,
+        "weights_mb": m.net.weights.nbytes() / 1e6,
+    }

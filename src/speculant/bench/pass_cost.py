@@ -33,6 +33,7 @@ from speculant.bench.peers import LLAMA_CLI_HINT, llama_cli_binary
 from speculant.models.model import Model
 
 PROMPT = "def quicksort(items):\n    "
+_DEFAULT_THREADS: int = native.THREADS  # the kernels' threads when none are asked for
 
 
 @dataclass
@@ -83,8 +84,6 @@ def _use(path: str, threads: int | None, defaults: dict[str, int]) -> None:
         native.tune(name, int(text))
     native.THREADS = threads if threads is not None else _DEFAULT_THREADS
 
-
-_DEFAULT_THREADS: int = native.THREADS
 
 
 def measure_model(
@@ -212,6 +211,40 @@ def run_pass_cost(
     return rows
 
 
+def report(rows: list[dict[str, Any]], cfg: PassCostConfig, command: str) -> dict[str, Any]:
+    """results.json's content: what ran, where, and the rows."""
+    from speculant.bench.measure import machine_info, now_utc
+
+    return {
+        "meta": {
+            "command": command,
+            "when": now_utc(),
+            "machine": machine_info(),
+            "kernel_path": native.active_path() if native.available() else "none",
+        },
+        "config": {"widths": cfg.widths, "context": cfg.context, "new": cfg.new, "reps": cfg.reps},
+        "rows": rows,
+    }
+
+
+def render_table(data: dict[str, Any]) -> Any:
+    """The rich table of a report: ms by width (ratio to w=1) and plain tokens/s."""
+    from rich.table import Table
+
+    widths = data["config"]["widths"]
+    table = Table(title=f"pass cost by width, ms (ratio to w=1): {data['meta']['machine']['cpu']}")
+    for col in ("role", "engine", "threads", *[f"w={w}" for w in widths], "plain tok/s"):
+        table.add_column(col, justify="left" if col in ("role", "engine") else "right")
+    for r in data["rows"]:
+        if "unavailable" in r:
+            table.add_row(r["role"], r["engine"], "", r["unavailable"])
+            continue
+        plain = f"{r['plain_tok_s']:.1f}" if "plain_tok_s" in r else "-"
+        cells = [pass_cell(r, w) for w in widths]
+        table.add_row(r["role"], engine_label(r), str(r["threads"]), *cells, plain)
+    return table
+
+
 def pass_cell(row: dict[str, Any], w: int) -> str:
     ms = row.get("pass_ms", {})
     if w not in ms:
@@ -230,7 +263,7 @@ def engine_label(row: dict[str, Any]) -> str:
 def markdown(data: dict[str, Any]) -> str:
     widths = data["config"]["widths"]
     lines = [
-        f"# Pass cost: {data['meta']['cpu']}",
+        f"# Pass cost: {data['meta']['machine']['cpu']}",
         "",
         f"`{data['meta']['command']}` ({data['meta']['when']}). A pass over w new tokens after "
         f"a {data['config']['context']}-token context (llama.cpp: from an empty context), "

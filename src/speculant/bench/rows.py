@@ -4,21 +4,19 @@ metadata, and the `BenchResult` that goes into results.json."""
 
 from __future__ import annotations
 
-import datetime as _dt
-import platform
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from speculant.bench.measure import (
     EnergyMeter,
     MemoryProbe,
     StepRecord,
-    cpu_description,
     expected_tokens_per_step,
+    machine_info,
+    model_info,
+    now_utc,
     percentile,
     spec_figures,
     theoretical_speedup,
@@ -318,31 +316,13 @@ def build_meta(
 ) -> dict[str, Any]:
     import speculant
 
-    def model_info(m: Model | None) -> dict[str, Any] | None:
-        if m is None:
-            return None
-        return {
-            "name": m.name,
-            "source": str(m.source) if m.source else None,
-            "arch": m.config.arch,
-            "layers": m.config.n_layers,
-            "dtype": m.dtype_name,
-            "weights_mb": m.net.weights.nbytes() / 1e6,
-        }
-
     return {
         "speculant_version": speculant.__version__,
         "command": command,
-        "started_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "started_utc": now_utc(),
         "target": model_info(target),
         "draft": model_info(draft),
-        "machine": {
-            "cpu": cpu_description(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine_info(),
         "energy_source": energy.source,
         "energy_measured": energy.measured,
         "memory_source": "VmHWM after clear_refs (per generation)"

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as _dt
 import json
-import platform
 import socket
 import statistics
 import threading
@@ -42,9 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from speculant.bench.measure import cpu_description, percentile
+from speculant.bench.measure import machine_info, model_info, now_utc, percentile
 from speculant.bench.specs import BASELINE, MethodSpec, parse_methods
 from speculant.bench.workloads import load_workload
 from speculant.engine import Engine
@@ -230,12 +226,8 @@ def run_serve_bench(
                 result.chat_second_turn += [{"config": spec.label, **r} for r in rows]
     if cfg.batch:
         result.batch = batch_runs(engine, specs, cfg, log)
-    result.meta["finished_utc"] = _now()
+    result.meta["finished_utc"] = now_utc()
     return result
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def _meta(
@@ -247,29 +239,14 @@ def _meta(
 ) -> dict[str, Any]:
     import speculant
 
-    def info(m: Model | None) -> dict[str, Any] | None:
-        if m is None:
-            return None
-        return {
-            "name": m.name,
-            "source": str(m.source) if m.source else None,
-            "dtype": m.dtype_name,
-        }
-
     return {
         "mode": "serve",
         "speculant_version": speculant.__version__,
         "command": command,
-        "started_utc": _now(),
-        "target": info(target),
-        "draft": info(draft if any(s.method == "draft" for s in specs) else None),
-        "machine": {
-            "cpu": cpu_description(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "started_utc": now_utc(),
+        "target": model_info(target),
+        "draft": model_info(draft if any(s.method == "draft" for s in specs) else None),
+        "machine": machine_info(),
         "configs": [s.label for s in specs],
         "concurrency": list(cfg.concurrency),
         "prefix_caching": list(cfg.prefix_caching),
