@@ -85,7 +85,6 @@ def _use(path: str, threads: int | None, defaults: dict[str, int]) -> None:
     native.THREADS = threads if threads is not None else _DEFAULT_THREADS
 
 
-
 def measure_model(
     model: Model, role: str, cfg: PassCostConfig, say: Callable[[str], None] = print
 ) -> list[dict[str, Any]]:
