@@ -378,8 +378,8 @@ def test_tuning_knobs_change_no_result() -> None:
     try:
         for knob, value in [
             ("prefetch_rows", 0),
-            ("prefetch_inline", 64),
-            ("prefetch_inline", 0),
+            ("prefetch_bytes", 64),
+            ("prefetch_bytes", 0),
             ("prefetch_bytes", 8192),
             ("max_chunk_cols", 4),
         ]:

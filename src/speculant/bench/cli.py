@@ -247,7 +247,7 @@ def add_pass_cost_args(p: argparse.ArgumentParser) -> None:
         default=[""],
         metavar="PATH,...",
         help="native kernel paths taking turns (portable, avx2, avx512, avx512vnni), each "
-        "optionally with tuning knobs: avx512vnni+prefetch_inline=0 (default: the one the "
+        "optionally with tuning knobs: avx512vnni+prefetch_bytes=0 (default: the one the "
         "CPU picks)",
     )
     g.add_argument(

@@ -7,7 +7,7 @@ timed as a pass over w new tokens after a `--pass-context`-token prefix (the cac
 rewound between repeats, so every pass sees the same context); the median of
 `--pass-reps` passes, its ratio to w = 1, and plain greedy decoding tok/s over
 `--max-tokens` tokens. Kernel paths (`--kernel-paths avx2,avx512vnni`, optionally with
-tuning knobs: `avx512vnni+prefetch_inline=0`) and kernel thread counts
+tuning knobs: `avx512vnni+prefetch_bytes=0`) and kernel thread counts
 (`--pass-threads 2,1`) take turns within every repeat, so that the machine's drift falls
 on all alike.
 

@@ -149,15 +149,13 @@ TUNING_KNOBS = {
     "prefetch_rows": (1, 0),
     "chunks_per_thread": (2, 1),
     "max_chunk_cols": (3, 4),
-    "prefetch_inline": (4, 0),
 }
 
 
 def tune(knob: str, value: int) -> int:
     """Set a kernel tuning knob for benchmarks (results never depend on it); returns the
-    old value. `prefetch_inline`: how far past each weight unit a tile of at least
-    `prefetch_rows` rows asks for weights; with it 0, `prefetch_bytes`: how far ahead such
-    a pass asks for whole columns (0: not at all); `chunks_per_thread` and
+    old value. `prefetch_bytes`: how far past each weight unit a tile of at least
+    `prefetch_rows` rows asks for weights (0: not at all); `chunks_per_thread` and
     `max_chunk_cols`: how the columns are cut into the chunks that threads take."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")

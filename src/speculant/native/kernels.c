@@ -655,14 +655,14 @@ static inline int kind_of(int type) {
 }
 
 /* Weight prefetch, for tiles of at least g_prefetch_rows rows: each tile asks for the
- * lines g_prefetch_inline bytes past every weight unit it reads (a chunk's columns are
- * contiguous, so this runs on into the next columns); with g_prefetch_inline 0, cols_run
- * asks for whole columns g_prefetch_bytes ahead instead. Measured on a Zen 4 EPYC, all
- * the 1.5B's matrices, interleaved with the whole-column prefetch: 1 row 0.98x, 2 rows
- * 0.89x, 4 rows 0.87x, 8 rows 0.87x, 16 rows 0.70x of its time; the FFN's down
- * projection (5 KiB columns) at 8 rows 0.74x. */
+ * lines g_prefetch_bytes past every weight unit it reads (a chunk's columns are
+ * contiguous, so this runs on into the next columns; 0: no software prefetch). Measured
+ * on a Zen 4 EPYC, all the 1.5B's matrices, interleaved with the former prefetch (whole
+ * columns 2 KiB ahead, for passes of 5+ rows only): 1 row 0.98x, 2 rows 0.89x, 4 rows
+ * 0.87x, 8 rows 0.87x, 16 rows 0.70x of its time; the FFN's down projection (5 KiB
+ * columns) at 8 rows 0.74x. */
 static int g_prefetch_rows = 1;
-static int g_prefetch_inline = 2048;
+static int g_prefetch_bytes = 2048;
 
 #ifdef SPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -699,22 +699,11 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #define TL_PIN(v) __asm__("" : "+v"(v))
 #include "tiles.h"
 
-/* Tuning, set by spec_tune (benchmarks); no result depends on them. With inline
- * prefetch off, a pass may ask for whole columns g_prefetch_bytes ahead when it has at
- * least g_prefetch_rows rows. Threads take chunks of about columns / (threads x
- * g_chunks_per_thread) columns, at most g_max_chunk_cols: long runs of contiguous
- * weights for each core's stream. */
-static int g_prefetch_bytes = 2048;
+/* Tuning, set by spec_tune (benchmarks); no result depends on them. Threads take chunks
+ * of about columns / (threads x g_chunks_per_thread) columns, at most g_max_chunk_cols:
+ * long runs of contiguous weights for each core's stream. */
 static int g_chunks_per_thread = 8;
 static int g_max_chunk_cols = 512;
-
-/* Asks for columns [*next, want) of a part (one whole column at a time). */
-static inline void prefetch_cols(const part_t *p, int64_t *next, int64_t want) {
-    for (; *next < want; (*next)++) {
-        const char *col = (const char *)p->w + *next * p->row_bytes;
-        for (int64_t o = 0; o < p->row_bytes; o += 64) _mm_prefetch(col + o, _MM_HINT_T0);
-    }
-}
 
 static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const int kind = kind_of(p->type);
@@ -730,16 +719,11 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
     const int cols = one_col ? 1 : ts->cols;
     const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
     const int64_t rb = one_col ? jb->m : jb->row_block;
-    const int64_t pf_bytes = jb->m >= g_prefetch_rows && !g_prefetch_inline ? g_prefetch_bytes : 0;
-    const int64_t ahead = (pf_bytes + p->row_bytes - 1) / p->row_bytes;
     for (int64_t b0 = 0; b0 < jb->m; b0 += rb) {
         const int64_t b1 = b0 + rb < jb->m ? b0 + rb : jb->m, rows = b1 - b0;
         const int64_t ntiles = (rows + tile_rows - 1) / tile_rows;
-        int64_t next = c0; /* the next column to ask for */
         for (int64_t c = c0; c < c1;) {
             const int C = c1 - c >= cols ? cols : 1;
-            if (ahead && b0 == 0) /* the first row block reads the weights from memory */
-                prefetch_cols(p, &next, c + C + ahead < p->n ? c + C + ahead : p->n);
             for (int64_t t = 0; t < ntiles; t++) { /* tiles of balanced heights */
                 const int64_t r0 = b0 + rows * t / ntiles, r1 = b0 + rows * (t + 1) / ntiles;
                 ts->fn[kind][r1 - r0 - 1][C - 1](jb, p, r0, c);
@@ -957,16 +941,15 @@ int spec_set_path(int path) {
 
 int spec_active_path(void) { return resolve_path(); }
 
-/* Benchmark knobs (results never depend on them): 0 the whole-column prefetch distance in
- * bytes, 1 the fewest rows a tile prefetches for, 2 chunks per thread, 3 the most columns
- * in a chunk, 4 the inline prefetch distance in bytes (0: whole columns instead).
- * A value of -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value
- * below the knob's least (0, 0, 1, 4, 0). */
+/* Benchmark knobs (results never depend on them): 0 the prefetch distance in bytes past
+ * each weight unit (0: none), 1 the fewest rows a tile prefetches for, 2 chunks per
+ * thread, 3 the most columns in a chunk. A value of -1 only reads. Returns the old value;
+ * -1 for an unknown knob, -2 for a value below the knob's least (0, 0, 1, 4). */
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
-                                 &g_max_chunk_cols, &g_prefetch_inline};
-    static const int least[] = {0, 0, 1, 4, 0};
-    if (knob < 0 || knob > 4) return -1;
+                                 &g_max_chunk_cols};
+    static const int least[] = {0, 0, 1, 4};
+    if (knob < 0 || knob > 3) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
     if (value < least[knob]) return -2;

@@ -53,7 +53,7 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     __m256 acc[MAX_ROWS_TILE][TL_COLS];
     for (int r = 0; r < R; r++)
         for (int cc = 0; cc < C; cc++) acc[r][cc] = _mm256_setzero_ps();
-    const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_inline : 0;
+    const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_bytes : 0;
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *blk[TL_COLS];
         for (int cc = 0; cc < C; cc++) {
@@ -162,7 +162,7 @@ TL_FN(lg_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     __m256 acc[MAX_ROWS_TILE][TL_COLS];
     for (int r = 0; r < R; r++)
         for (int cc = 0; cc < C; cc++) acc[r][cc] = _mm256_setzero_ps();
-    const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_inline : 0;
+    const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_bytes : 0;
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *g[TL_COLS];
         for (int cc = 0; cc < C; cc++) {
