@@ -247,13 +247,12 @@ class Scheduler:
 
     def _observe_prompt(self, seq: SequenceState, hidden: torch.Tensor | None) -> None:
         """Hand prompt features to an EAGLE proposer (kept while choices may copy them)."""
-        if hidden is None or not _needs_features(seq.lane):
+        user = _feature_user(seq.lane)
+        if hidden is None or user is None:
             return
         part = hidden if seq.prompt_hidden is None else torch.cat([seq.prompt_hidden, hidden])
         seq.prompt_hidden = part
-        proposer = seq.lane.proposer
-        assert isinstance(proposer, UsesFeatures)
-        proposer.observe(hidden)
+        user.observe(hidden)
 
     def _copy_prefill(self, source: SequenceState, seq: SequenceState) -> None:
         seq.cache.copy_from(source.cache)
@@ -368,13 +367,9 @@ class Scheduler:
             )
             rows = verdict.rows  # the rows behind the emitted tokens, root first
             seq.cache.commit(seg.start, rows, seg.tree_kv)  # keep them, drop the rejected
-            proposer = seq.lane.proposer
-            if (
-                hidden is not None
-                and isinstance(proposer, UsesFeatures)
-                and proposer.needs_features
-            ):
-                proposer.observe(hidden[i][rows])
+            user = _feature_user(seq.lane)
+            if hidden is not None and user is not None:
+                user.observe(hidden[i][rows])
             verdicts.append(verdict)
             emitted_rows.append(rows)
         t_done = time.perf_counter()
@@ -491,7 +486,11 @@ def _row_histories(seq: SequenceState) -> list[list[int]]:
     return rows
 
 
-def _needs_features(lane: Lane) -> bool:
-    """Whether the lane's proposer drafts from the target's features (EAGLE)."""
+def _feature_user(lane: Lane) -> UsesFeatures | None:
+    """The lane's proposer when it drafts from the target's features (EAGLE)."""
     proposer = lane.proposer
-    return isinstance(proposer, UsesFeatures) and proposer.needs_features
+    return proposer if isinstance(proposer, UsesFeatures) and proposer.needs_features else None
+
+
+def _needs_features(lane: Lane) -> bool:
+    return _feature_user(lane) is not None
