@@ -394,3 +394,105 @@ def test_tuning_knobs_change_no_result() -> None:
         native.tune("max_chunk_cols", 3)
     with pytest.raises(ValueError, match="unknown knob"):
         native.tune("one_col_rows", 1)
+
+
+# ------------------------------------------------------ SiLU and whole layers at once
+def test_silu_mul_paths_agree_and_within_bound() -> None:
+    """The kernels' gated SiLU: within 2 ulp-ish of float64 on a wide range, the limits
+    right (large |g|, zeros, NaN), each value from its inputs only, every path bitwise."""
+    g = torch.cat([torch.linspace(-120, 120, 2001), torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    u = torch.randn(g.numel(), generator=torch.Generator().manual_seed(1))
+    gu = torch.stack([g, u]).reshape(1, -1)  # one row: gate values, then up values
+    outs = {}
+    try:
+        for name in native.paths():
+            native.set_path(name)
+            outs[name] = native.silu_mul(gu)[0]
+    finally:
+        native.set_path("auto")
+    for name, out in outs.items():
+        assert torch.equal(out, outs["portable"]), name
+    got = outs["portable"].double()
+    g64, u64 = g.double(), u.double()
+    want = g64 * torch.sigmoid(g64) * u64
+    normal = (g > -80) & (want != 0)  # below -80, exp(-|g|) < 2^-115: the kernels' exp flushes to 0
+    rel = ((got - want).abs() / want.abs())[normal].max().item()
+    assert rel < 1e-6, rel
+    assert (got - want).abs()[~normal].max().item() < 1e-30
+    assert torch.equal(got[-4:-2], torch.zeros(2, dtype=torch.float64))  # g = +-0
+    nan = native.silu_mul(torch.tensor([[float("nan"), 2.0]]))
+    assert nan.isnan().all()
+    # rows alone: the same bits as in a batch of rows
+    rows = torch.randn(5, 2 * 40, generator=torch.Generator().manual_seed(2)) * 8
+    batch = native.silu_mul(rows)
+    for r in range(5):
+        assert torch.equal(native.silu_mul(rows[r : r + 1])[0], batch[r])
+    with pytest.raises(ValueError, match="even count"):
+        native.silu_mul(torch.zeros(1, 3))
+
+
+def _tiny_native_transformer(qkv_bias: bool, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A 2-layer Qwen2-like decoder on random stored blocks (Q4_K, Q6_K, Q8_0 parts)."""
+    from speculant.models.config import ModelConfig
+    from speculant.models.decoder import GGUFWeight, LayerWeights, Transformer, Weights
+
+    dim, nh, nkv, hd, ffn, vocab = 256, 4, 2, 64, 512, 300
+    cfg = ModelConfig("qwen2", vocab, dim, 2, nh, nkv, hd, ffn, 1e-6, 10000.0, 256)
+    gen = torch.Generator().manual_seed(seed)
+
+    def mat(parts: list[tuple[int, int]], k: int, s: int) -> GGUFWeight:
+        return GGUFWeight(
+            native.NativeMatrix([(t, random_matrix(t, n, k, seed + s), n) for t, n in parts], k)
+        )
+
+    layers = []
+    for i in range(2):
+        s = 10 * i
+        layers.append(
+            LayerWeights(
+                attn_norm=1 + 0.1 * torch.randn(dim, generator=gen),
+                wqkv=mat(
+                    [(native.Q4_K, nh * hd), (native.Q4_K, nkv * hd), (native.Q6_K, nkv * hd)],
+                    dim,
+                    s,
+                ),
+                wo=mat([(native.Q8_0, dim)], nh * hd, s + 1),
+                ffn_norm=1 + 0.1 * torch.randn(dim, generator=gen),
+                w_gate_up=mat([(native.Q4_K, 2 * ffn)], dim, s + 2),
+                w_down=mat([(native.Q6_K, dim)], ffn, s + 3),
+                bqkv=torch.randn((nh + 2 * nkv) * hd, generator=gen) if qkv_bias else None,
+            )
+        )
+    emb = torch.randn(vocab, dim, generator=gen)
+    weights = Weights(emb, torch.ones(dim), mat([(native.Q8_0, vocab)], dim, 99), layers)
+    return Transformer(cfg, weights, torch.float32)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_fused_layers_equal_the_layer_by_layer_pass(qkv_bias: bool) -> None:
+    """All layers in one native call give bitwise the logits, features and cache rows of
+    the same layers run one operation at a time: a prompt, a decode step, a verify pass,
+    and a batch of two sequences at different positions."""
+    from speculant.models.segment import Segment
+
+    net = _tiny_native_transformer(qkv_bias)
+    assert net.native_ops and net._fusable()
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
+
+    def run(fuse: bool):  # type: ignore[no-untyped-def]
+        net.fuse_layers = fuse
+        c1, c2 = net.new_cache(64), net.new_cache(64)
+        out = [net.forward(ids[:30], c1, 0, return_hidden=True)]
+        out.append(net.forward(ids[30:31], c1, 30))
+        out.append(net.forward(ids[31:36], c1, 31))
+        out.extend(net.forward_batch([Segment(ids[36:40], c1, 36), Segment(ids[:7], c2, 0)])[0])
+        flat = [t for o in out for t in (o if isinstance(o, tuple) else (o,)) if t is not None]
+        return flat + [c1.k, c1.v, c2.k, c2.v]
+
+    want, got = run(False), run(True)
+    assert len(want) == len(got)
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(a, b), i
+    net.fuse_layers = True
+    with pytest.raises(Exception, match="capacity"):
+        net.forward(ids[:8], net.new_cache(4), 0)

@@ -197,6 +197,8 @@ class Transformer:
             dtype == torch.float32 and _uses_native(weights) and _native_rows(config.head_dim)
         )
         self._row_padding: Padding | None = (1, 1) if self.native_ops else None
+        self._layer_table: native.LayerTable | None = None
+        self.fuse_layers = True  # False: the layers one operation at a time (tests, A/B)
         n_pos = config.max_seq_len + 16
         self._rope_full = rope_tables(
             config.head_dim, config.rope_theta, n_pos, config.rope_scaling_factor
@@ -296,7 +298,8 @@ class Transformer:
         ]
         if trace is not None:
             trace.append(x[: spans[0][2]])
-        for i, lw in enumerate(w.layers):
+        fused = trace is None and all(sc.paths is None for sc in ctx) and self._fusable()
+        for i, lw in enumerate([] if fused else w.layers):
             sliding = c.is_sliding(i)
             h = rms_norm(x, lw.attn_norm, c.norm_eps)
             h = self._attention(h, lw, i, sliding, segments, spans, ctx)
@@ -310,6 +313,8 @@ class Transformer:
             x = x + h
             if trace is not None:
                 trace.append(x[: spans[0][2]])
+        if fused:
+            x = self._fused_layers(x, segments, spans, ctx)
         for seg, (_, _, n_real) in zip(segments, spans, strict=True):
             seg.cache.length = seg.start + (n_real if seg.tree_parents is None else 0)
         hidden = rms_norm(x, w.norm, c.norm_eps)  # [sum rows, dim]
@@ -340,6 +345,71 @@ class Transformer:
                     out_logits.append(full[:0])
         hiddens = [hidden[o : o + n] for o, _, n in spans] if return_hidden else None
         return out_logits, hiddens
+
+    def _fusable(self) -> bool:
+        """Whether the layers run natively in one call (`_fused_layers`): GGUF weights on
+        the native kernels, and pre-norm layers of the plain Llama / Qwen2 kind (no q/k
+        norms, no post-norms, SiLU, no sliding window)."""
+        if not (self.fuse_layers and self.native_ops) or self.config.activation != "silu":
+            return False
+        if self._layer_table is None:
+            c, layers = self.config, self.weights.layers
+            plain = all(
+                lw.q_norm is None
+                and lw.post_attn_norm is None
+                and lw.post_ffn_norm is None
+                and all(
+                    isinstance(getattr(lw, n), GGUFWeight)
+                    for n in ("wqkv", "wo", "w_gate_up", "w_down")
+                )
+                for lw in layers
+            ) and not any(c.is_sliding(i) for i in range(c.n_layers))
+            if not plain:
+                return False
+            self._layer_table = native.LayerTable(
+                [
+                    (
+                        lw.attn_norm,
+                        lw.ffn_norm,
+                        lw.wqkv.matrix,
+                        lw.bqkv,
+                        lw.wo.matrix,
+                        lw.w_gate_up.matrix,
+                        lw.w_down.matrix,
+                    )
+                    for lw in layers
+                    if isinstance(lw.wqkv, GGUFWeight)  # (all are: checked above)
+                    and isinstance(lw.wo, GGUFWeight)
+                    and isinstance(lw.w_gate_up, GGUFWeight)
+                    and isinstance(lw.w_down, GGUFWeight)
+                ],
+                (c.n_heads, c.n_kv_heads, c.head_dim),
+                c.norm_eps,
+                c.scale,
+            )
+        return True
+
+    def _fused_layers(
+        self,
+        x: Tensor,
+        segments: list[Segment],
+        spans: list[tuple[int, int, int]],
+        ctx: list[_SegmentContext],
+    ) -> Tensor:
+        """Every layer in one native call: the same operations as the loop in
+        `forward_batch` (bitwise, tested), without a Python step between them."""
+        assert self._layer_table is not None
+        parts = []
+        for seg, (_, t, _) in zip(segments, spans, strict=True):
+            seg.cache.check_rows(seg.start, t)
+            parts.append((t, seg.cache.k, seg.cache.v, seg.start))
+        ranges = [sc.ranges for sc in ctx]
+        assert all(r is not None for r in ranges)
+        lo = torch.cat([r[0] for r in ranges if r is not None])
+        hi = torch.cat([r[2] for r in ranges if r is not None])
+        cos = torch.cat([sc.rope_full[0] for sc in ctx])
+        sin = torch.cat([sc.rope_full[1] for sc in ctx])
+        return native.run_layers(self._layer_table, x, parts, cos, sin, lo, hi)
 
     def _segment_context(self, seg: Segment, rows: int) -> _SegmentContext:
         """Masks and rotary tables of one segment's padded rows."""
@@ -492,7 +562,9 @@ class Transformer:
         return attend(q, keys, values, mask, self.config.scale)
 
     def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:
-        gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
         silu = self.config.activation == "silu"
+        if silu and self.native_ops:  # the kernels' SiLU: the same bits as _fused_layers
+            return linear(native.silu_mul(linear(x, lw.w_gate_up)), lw.w_down)
+        gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
         act = F.silu(gate) if silu else F.gelu(gate, approximate="tanh")
         return linear(act * up, lw.w_down)

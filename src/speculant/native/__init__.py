@@ -104,6 +104,12 @@ def _load() -> Any:
     lib.spec_rope_attend.restype = c_int
     lib.spec_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
     lib.spec_rms_norm.restype = c_int
+    lib.spec_silu_mul.argtypes = [p, i64, i64, p]
+    lib.spec_silu_mul.restype = c_int
+    # (layers, nlayers, dim, nh, nkv, hd, eps, scale, x, m, segs, nseg, cos, sin, lo, hi, threads)
+    lib.spec_layers.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float]
+    lib.spec_layers.argtypes += [p, i64, p, i64, p, p, p, p, c_int]
+    lib.spec_layers.restype = c_int
     _lib = lib
     return lib
 
@@ -475,3 +481,175 @@ def share_cores_if_native(*models: Any) -> None:
     weights natively; the command lines call it when --threads is not given."""
     if any(m is not None and m.dtype_name == "gguf" for m in models):
         share_cores_with_torch()
+
+
+def silu_mul(gu: Tensor) -> Tensor:
+    """gu [m, 2F] float32 (gate, then up) -> silu(gate) * up [m, F], each value from its
+    own inputs; the exp is the kernels' own (see kernels.c), the same on every path."""
+    lib = _need()
+    gu = gu.float().contiguous()
+    m, two_f = gu.shape
+    if two_f % 2:
+        raise ValueError(f"gate/up rows of {two_f} values: an even count is wanted")
+    out = torch.empty(m, two_f // 2, dtype=torch.float32)
+    lib.spec_silu_mul(gu.data_ptr(), m, two_f // 2, out.data_ptr())
+    return out
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [
+        ("nparts", ctypes.c_int32),
+        ("types", ctypes.c_int32 * MAX_PARTS),
+        ("w", ctypes.c_void_p * MAX_PARTS),
+        ("ns", ctypes.c_int64 * MAX_PARTS),
+        ("K", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("ffn_norm", ctypes.c_void_p),
+        ("qkv", _Mat),
+        ("wo", _Mat),
+        ("gate_up", _Mat),
+        ("down", _Mat),
+    ]
+
+
+class _Seg(ctypes.Structure):
+    _fields_ = [
+        ("T", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("start", ctypes.c_int64),
+        ("layer_stride", ctypes.c_int64),
+    ]
+
+
+def _mat(matrix: NativeMatrix, bias: Tensor | None, keep: list[Tensor]) -> _Mat:
+    matrix.pack()
+    assert matrix.packed is not None
+    mt = _Mat()
+    mt.nparts = len(matrix.parts)
+    for i, (ggml_type, _, n) in enumerate(matrix.parts):
+        mt.types[i] = ggml_type
+        mt.w[i] = matrix.packed[i].data_ptr()
+        mt.ns[i] = n
+    mt.K, mt.n = matrix.k, matrix.n
+    if bias is not None:
+        b = bias.float().contiguous()
+        if b.shape != (matrix.n,):
+            raise ValueError(f"bias of shape {tuple(b.shape)} for {matrix.n} outputs")
+        keep.append(b)
+        mt.bias = b.data_ptr()
+    return mt
+
+
+# (attn_norm, ffn_norm, qkv, qkv bias or None, wo, gate_up, down) of one layer
+LayerParts = tuple[
+    Tensor, Tensor, NativeMatrix, Tensor | None, NativeMatrix, NativeMatrix, NativeMatrix
+]
+
+
+class LayerTable:
+    """Pre-norm Llama / Qwen2 layers (attention, then a SiLU-gated MLP) described for
+    `run_layers`: the packed weights and float32 norms and biases, kept alive here.
+    `layers` holds per layer (attn_norm, ffn_norm, qkv, qkv_bias or None, wo, gate_up,
+    down), the matrices NativeMatrix."""
+
+    def __init__(
+        self,
+        layers: list[LayerParts],
+        heads: tuple[int, int, int],
+        eps: float,
+        scale: float,
+    ) -> None:
+        self.heads = heads
+        self.eps = eps
+        self.scale = scale
+        self._keep: list[Tensor] = []
+        self._mats: list[NativeMatrix] = []
+        table = (_Layer * len(layers))()
+        for i, (attn_norm, ffn_norm, qkv, bqkv, wo, gate_up, down) in enumerate(layers):
+            norms = [n.float().contiguous() for n in (attn_norm, ffn_norm)]
+            self._keep.extend(norms)
+            self._mats.extend([qkv, wo, gate_up, down])
+            entry = table[i]
+            entry.attn_norm, entry.ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            entry.qkv = _mat(qkv, bqkv, self._keep)
+            entry.wo = _mat(wo, None, self._keep)
+            entry.gate_up = _mat(gate_up, None, self._keep)
+            entry.down = _mat(down, None, self._keep)
+        self.table = table
+        self.n_layers = len(layers)
+        self.dim = layers[0][4].n if layers else 0
+
+
+def run_layers(
+    table: LayerTable,
+    x: Tensor,
+    segments: list[tuple[int, Tensor, Tensor, int]],
+    cos: Tensor,
+    sin: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    threads: int | None = None,
+) -> Tensor:
+    """Every layer of `table` over x [m, dim] float32 (the rows of several sequences, in
+    order) in one native call; returns the new residual stream [m, dim]. `segments` are
+    (rows T, cache keys, cache values, start) per sequence, the caches [n_layers, 1, nkv,
+    rows, hd] float32 whose rows start .. start+T-1 receive the keys and values; cos / sin
+    [m, hd] are each row's rotary tables and lo / hi [m] the keys it sees. Bitwise the
+    same as running the layers one operation at a time through this module."""
+    lib = _need()
+    nh, nkv, hd = table.heads
+    x = x.float().contiguous().clone()
+    m = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != table.dim:
+        raise ValueError(f"rows of shape {tuple(x.shape)}: [m, {table.dim}] wanted")
+    segs = (_Seg * len(segments))()
+    total = 0
+    for i, (t, k, v, start) in enumerate(segments):
+        if k.dtype != torch.float32 or not k.is_contiguous() or k.shape != v.shape:
+            raise ValueError("caches must be contiguous float32 keys and values of one shape")
+        if k.shape[0] < table.n_layers or k.shape[2:] != (nkv, k.shape[3], hd):
+            raise ValueError(f"cache of shape {tuple(k.shape)} for {table.n_layers} layers")
+        rows = k.shape[3]
+        if start < 0 or start + t > rows:
+            raise ValueError(f"rows {start}..{start + t} of a {rows}-row cache")
+        segs[i].T, segs[i].k, segs[i].v = t, k.data_ptr(), v.data_ptr()
+        segs[i].rows, segs[i].start, segs[i].layer_stride = rows, start, nkv * rows * hd
+        total += t
+    if total != m:
+        raise ValueError(f"segments of {total} rows for {m} rows")
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    lo = lo.to(torch.int64).contiguous()
+    hi = hi.to(torch.int64).contiguous()
+    if cos.shape != (m, hd) or sin.shape != (m, hd) or lo.numel() != m or hi.numel() != m:
+        raise ValueError(f"rotary tables {tuple(cos.shape)} / key ranges {lo.numel()} for {m} rows")
+    rc = lib.spec_layers(
+        ctypes.addressof(table.table),
+        table.n_layers,
+        table.dim,
+        nh,
+        nkv,
+        hd,
+        table.eps,
+        table.scale,
+        x.data_ptr(),
+        m,
+        ctypes.addressof(segs),
+        len(segments),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        lo.data_ptr(),
+        hi.data_ptr(),
+        threads if threads is not None else THREADS,
+    )
+    if rc != 0:
+        _attention_error(rc, f"native layers failed with code {rc}: key ranges {lo} .. {hi}")
+    return x

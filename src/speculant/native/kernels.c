@@ -1440,6 +1440,137 @@ int spec_rms_norm(const float *x, const float *w, int64_t m, int64_t d, float ep
     return 0;
 }
 
+/* ------------------------------------------------------------ the gated activation */
+/* out[r][j] = silu(g) * u with g = gu[r][j], u = gu[r][F + j] (gu [m][2F]): silu(g) =
+ * g / (1 + exp(-g)), formed as g * s with s = 1 / (1 + e) for g >= 0 and e / (1 + e)
+ * below, e = exp(-|g|) (exp_neg: never overflows). The vector code does the same float
+ * operations, so both paths give the same bits; each value depends on its inputs only. */
+static inline float silu_mul1(float g, float u) {
+    const float e = exp_neg(-fabsf(g));
+    const float s = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+    return (g * s) * u;
+}
+
+#ifdef SPEC_X86
+AVX2 static void silu_mul_avx2(const float *g, const float *u, float *out, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8_avx2(_mm256_or_ps(gv, sign)); /* -|g| */
+        /* NaN: exp8 passes it on, as exp_neg does, and the compare below is false */
+        const __m256 pos = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 s = _mm256_div_ps(_mm256_blendv_ps(e, one, pos), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(gv, s), _mm256_loadu_ps(u + j)));
+    }
+    for (; j < n; j++) out[j] = silu_mul1(g[j], u[j]);
+}
+#endif
+
+int spec_silu_mul(const float *gu, int64_t m, int64_t F, float *out) {
+    if (m < 0 || F < 0) return -1;
+    const int path = resolve_path();
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gu + r * 2 * F, *u = g + F;
+        float *o = out + r * F;
+#ifdef SPEC_X86
+        if (path >= PATH_AVX2) {
+            silu_mul_avx2(g, u, o, F);
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < F; j++) o[j] = silu_mul1(g[j], u[j]);
+    }
+    (void)path;
+    return 0;
+}
+
+/* ------------------------------------------------------- whole layers in one call */
+/* A projection as spec_linear takes it, with an optional bias added to its output. */
+typedef struct {
+    int32_t nparts;
+    int32_t types[MAX_PARTS];
+    const void *w[MAX_PARTS];
+    int64_t ns[MAX_PARTS];
+    int64_t K, n;
+    const float *bias; /* [n] or NULL */
+} spec_mat_t;
+
+/* One pre-norm decoder layer (Llama / Qwen2): attention and a SiLU-gated MLP, each
+ * behind an RMS norm and added to the residual stream. */
+typedef struct {
+    const float *attn_norm, *ffn_norm; /* [dim] */
+    spec_mat_t qkv, wo, gate_up, down;
+} spec_layer_t;
+
+/* One sequence's rows in the pass: its cache (layer l's keys at k + l * layer_stride,
+ * [nkv][rows][hd]) and where its T rows go. */
+typedef struct {
+    int64_t T;
+    float *k, *v;
+    int64_t rows, start, layer_stride;
+} spec_seg_t;
+
+static int mat_apply(const spec_mat_t *mt, const float *x, int64_t m, float *y, int nthreads) {
+    int rc = spec_linear(mt->nparts, mt->types, mt->w, mt->ns, mt->K, x, m, y, mt->n, nthreads);
+    if (rc != 0 || !mt->bias) return rc;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < mt->n; c++) y[r * mt->n + c] = y[r * mt->n + c] + mt->bias[c];
+    return 0;
+}
+
+/* The layers [0, nlayers) over the m rows x [m][dim] (updated in place) of nseg sequences,
+ * rows in segment order; cos / sin [m][hd] of each row's position, lo / hi [m] the keys
+ * each row sees. Each step is the decoder's own (the same calls, in the same order), so
+ * the results are bitwise those of running the layers one operation at a time.
+ * Returns 0, or the first failing step's negative code. */
+int spec_layers(const spec_layer_t *layers, int64_t nlayers, int64_t dim, int64_t nh, int64_t nkv,
+                int64_t hd, float eps, float scale, float *x, int64_t m, const spec_seg_t *segs,
+                int64_t nseg, const float *cos, const float *sin, const int64_t *lo,
+                const int64_t *hi, int nthreads) {
+    if (m <= 0 || nlayers <= 0) return 0;
+    int64_t total = 0;
+    for (int64_t s = 0; s < nseg; s++) total += segs[s].T;
+    if (total != m) return -1;
+    const int64_t ldqkv = layers[0].qkv.n, F2 = layers[0].gate_up.n;
+    int64_t width = ldqkv > F2 ? ldqkv : F2;
+    if (nh * hd > width) width = nh * hd;
+    if (dim > width) width = dim;
+    /* h: the normed rows; a: a projection's output; b: the attention / activation rows */
+    float *h = malloc(sizeof(float) * (size_t)(m * dim));
+    float *a = malloc(sizeof(float) * (size_t)(m * width));
+    float *b = malloc(sizeof(float) * (size_t)(m * width));
+    int rc = (!h || !a || !b) ? -4 : 0;
+    for (int64_t l = 0; l < nlayers && rc == 0; l++) {
+        const spec_layer_t *L = &layers[l];
+        if (L->qkv.n != ldqkv || L->gate_up.n != F2 || L->wo.n != dim || L->down.n != dim) {
+            rc = -1;
+            break;
+        }
+        if ((rc = spec_rms_norm(x, L->attn_norm, m, dim, eps, h))) break;
+        if ((rc = mat_apply(&L->qkv, h, m, a, nthreads))) break;
+        for (int64_t s = 0, off = 0; s < nseg && rc == 0; off += segs[s].T, s++) {
+            const spec_seg_t *sg = &segs[s];
+            rc = spec_rope_attend(a + off * ldqkv, sg->T, ldqkv, nh, nkv, hd, cos + off * hd,
+                                  sin + off * hd, sg->k + l * sg->layer_stride,
+                                  sg->v + l * sg->layer_stride, sg->rows, sg->start, lo + off,
+                                  hi + off, scale, b + off * nh * hd, nthreads);
+        }
+        if (rc) break;
+        if ((rc = mat_apply(&L->wo, b, m, a, nthreads))) break;
+        for (int64_t i = 0; i < m * dim; i++) x[i] = x[i] + a[i];
+        if ((rc = spec_rms_norm(x, L->ffn_norm, m, dim, eps, h))) break;
+        if ((rc = mat_apply(&L->gate_up, h, m, a, nthreads))) break;
+        if ((rc = spec_silu_mul(a, m, F2 / 2, b))) break;
+        if ((rc = mat_apply(&L->down, b, m, a, nthreads))) break;
+        for (int64_t i = 0; i < m * dim; i++) x[i] = x[i] + a[i];
+    }
+    free(h);
+    free(a);
+    free(b);
+    return rc;
+}
+
 /* --------------------------------------------------- a module so setuptools builds it */
 #ifdef SPEC_PYTHON_MODULE
 #include <Python.h>
