@@ -116,6 +116,22 @@ static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* Q4_K's 8 scales and 8 mins (6 bits each) from its 12 packed bytes, one per byte of
+ * *sc8 / *mn8 (sub-block j in byte j): the same values as q4k_scale_min, from three
+ * 32-bit words (a = bytes 0-3: low scales and their top bits, b = bytes 4-7: low mins and
+ * theirs, c = bytes 8-11: the high sub-blocks' low nibbles). */
+static inline void q4k_scales8(const uint8_t *s, uint64_t *sc8, uint64_t *mn8) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
+    const uint32_t sc_hi = (c & lo4) | (((a >> 6) & lo2) << 4);
+    const uint32_t mn_hi = ((c >> 4) & lo4) | (((b >> 6) & lo2) << 4);
+    *sc8 = (uint64_t)(a & lo6) | ((uint64_t)sc_hi << 32);
+    *mn8 = (uint64_t)(b & lo6) | ((uint64_t)mn_hi << 32);
+}
+
 /* ------------------------------------------------------------- weight block decoding */
 /* Signed codes of one legacy block (Q4_0, Q5_0, Q8_0) or unsigned codes (Q4_1), in value
  * order, and the block's scale (and min for Q4_1). */
@@ -240,8 +256,8 @@ static void dequant_row(int type, const uint8_t *row, int64_t K, float *out) {
  *
  * Packed units (codes unsigned; nibble pairs put register c in the low and c + 4 in the
  * high nibble of byte j of chunk c):
- *   Q4_K 148 B: d, dmin, the 8 scales and the 8 mins (6-bit values, a byte each),
- *     4 nibble chunks of 32 B.
+ *   Q4_K 144 B: d, dmin, the 12 bytes of 6-bit scales and mins as the file packs them
+ *     (q4k_scales8 unpacks them per block), 4 nibble chunks of 32 B.
  *   Q6_K 210 B: 4 nibble chunks (low 4 bits), 2 chunks of 32 B with the high 2 bits of
  *     registers 4h .. 4h + 3 at bits 0-1, 2-3, 4-5, 6-7 of chunk h, the 16 int8 scales, d.
  *   Q4_0 144 B: 8 fp16 scales, 4 nibble chunks (codes 0..15, value = d (code - 8)).
@@ -261,7 +277,7 @@ static int unit_bytes(int type) {
     case T_Q4_1: return 32 + 128;
     case T_Q5_0: return 16 + 32 + 128;
     case T_Q8_0: return 16 + 256;
-    case T_Q4_K: return 148;
+    case T_Q4_K: return 144;
     case T_Q6_K: return 210;
     default: return 0;
     }
@@ -288,14 +304,12 @@ static void repack_kquant(int type, const uint8_t *blk, uint8_t *out) {
         int sc[8], mn[8];
         float d, dmin;
         decode_q4k(blk, q, sc, mn, &d, &dmin);
-        memcpy(out, blk, 4); /* d, dmin */
-        for (int j = 0; j < 8; j++) {
-            out[4 + j] = (uint8_t)sc[j];
-            out[12 + j] = (uint8_t)mn[j];
-        }
+        (void)sc;
+        (void)mn;
+        memcpy(out, blk, 16); /* d, dmin and the 12 bytes of packed scales, as stored */
         for (int c = 0; c < 4; c++)
             for (int j = 0; j < 32; j++)
-                out[20 + 32 * c + j] = (uint8_t)(q[by32(c, j >> 2, j & 3)] |
+                out[16 + 32 * c + j] = (uint8_t)(q[by32(c, j >> 2, j & 3)] |
                                                  (q[by32(c + 4, j >> 2, j & 3)] << 4));
         return;
     }
@@ -540,7 +554,7 @@ static void unpack_unit(int type, const uint8_t *u, uint8_t reg[256]) {
         memcpy(reg, u + legacy_codes_at(type), 256);
         return;
     }
-    const uint8_t *nib = type == T_Q4_K ? u + 20 : type == T_Q6_K ? u : u + legacy_codes_at(type);
+    const uint8_t *nib = type == T_Q4_K ? u + 16 : type == T_Q6_K ? u : u + legacy_codes_at(type);
     for (int c = 0; c < 4; c++)
         for (int j = 0; j < 32; j++) {
             reg[32 * c + j] = nib[32 * c + j] & 15;
@@ -592,7 +606,13 @@ static void cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t 
                     int32_t lo[8], hi[8];
                     if (type == T_Q4_K) {
                         const xk_t *xb = jb->xk + (r0 + r) * nu + u;
-                        const uint8_t *sc = unit + 4, *mn = unit + 12;
+                        uint64_t sc8, mn8;
+                        q4k_scales8(unit + 4, &sc8, &mn8);
+                        uint8_t sc[8], mn[8];
+                        for (int l = 0; l < 8; l++) {
+                            sc[l] = (uint8_t)(sc8 >> (8 * l));
+                            mn[l] = (uint8_t)(mn8 >> (8 * l));
+                        }
                         lane_dots(reg, xb->q32, lo, hi);
                         const float d = h2f(rd16(unit)), dmin = h2f(rd16(unit + 2));
                         for (int l = 0; l < 8; l++) {

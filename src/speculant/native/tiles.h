@@ -72,7 +72,7 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
         for (int ch = 0; ch < 4; ch++) {
             __m256i lo[TL_COLS], hi[TL_COLS];
             for (int cc = 0; cc < C; cc++) {
-                const __m256i q = TL_FN(load)(blk[cc] + (q6 ? 0 : 20) + 32 * ch);
+                const __m256i q = TL_FN(load)(blk[cc] + (q6 ? 0 : 16) + 32 * ch);
                 lo[cc] = _mm256_and_si256(q, m4);
                 hi[cc] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
                 if (q6) {
@@ -122,8 +122,10 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
             } else {
                 const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16((short)rd16(bk)));
                 const __m256 dmin = _mm256_cvtph_ps(_mm_set1_epi16((short)rd16(bk + 2)));
-                const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bk + 4)));
-                const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bk + 12)));
+                uint64_t sc8, mn8;
+                q4k_scales8(bk + 4, &sc8, &mn8);
+                const __m256i sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8));
+                const __m256i mn = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
                 /* exact products, formed once for the tile's rows (see cols_portable) */
                 const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
                 const __m256 dmn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn));
