@@ -7,6 +7,7 @@ import csv
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tiny import tiny_chat_model
@@ -251,6 +252,7 @@ def test_shipped_workloads() -> None:
     assert [w.name for w in wls] == list(WORKLOAD_NAMES)
     assert set(WORKLOAD_NAMES) == {
         "code",
+        "edit",
         "chat",
         "summarization",
         "extraction",
@@ -317,6 +319,41 @@ def test_peer_limit_runs_peers_on_a_subset(pair: tuple[Model, Model]) -> None:
     assert rows["ngram:2"]["prompts"] == 2
     assert rows["transformers"]["prompts"] == 1 and rows["transformers"]["speedup"] > 0
     assert res.meta["peer_limit"] == 1
+
+
+def test_fresh_engines_make_every_request_a_first_one(
+    pair: tuple[Model, Model], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fresh_engines (--fresh-engines): every method but the baseline gets a new engine
+    for every request (each turn), so -k auto starts from nothing each time; the skip
+    ratio of a layer-skip spec reaches its engine, and greedy runs stay identical."""
+    import speculant.bench.runner as runner
+
+    target, _ = pair
+    built: list[tuple[str, object]] = []
+
+    class Counting(runner.Engine):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            built.append((self.method, self.num_speculative_tokens))
+            if self.method == "layer-skip":
+                assert kw["proposer_options"] == {"skip_ratio": 0.75}
+
+    monkeypatch.setattr(runner, "Engine", Counting)
+    methods = ["layer-skip:auto:0.75", "ngram:auto"]
+    config = BenchConfig(methods=methods, max_tokens=8, ignore_eos=True, fresh_engines=True)
+    res = run_bench(target, None, config, workloads=[TINY_WORKLOAD])
+    turns = sum(len(p.turns) for p in TINY_WORKLOAD.prompts)  # 3 requests
+    # one engine each to set up and warm up, then a new one per request but the baseline's
+    assert built.count(("none", 0)) == 1
+    assert built.count(("layer-skip", "auto")) == 1 + turns
+    assert built.count(("ngram", "auto")) == 1 + turns
+    assert not res.lossless_failures
+    assert res.meta["fresh_engines"] is True
+    assert {"layer-skip:auto:0.75", "ngram:auto"} <= {r["method"] for r in res.rows}
+    built.clear()
+    run_bench(target, None, BenchConfig(methods=methods, max_tokens=4), workloads=[TINY_WORKLOAD])
+    assert len(built) == 3  # without it: one engine per method for the whole run
 
 
 def test_bench_seed_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -49,12 +49,45 @@ def test_pass_cost_end_to_end(
     assert "| target |" in md and "(1.00x)" in md
 
 
+def test_pass_cost_compares_weight_formats(
+    pair: tuple[Model, Model], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--pass-dtypes: the target in each weight format, one row per (format, threads),
+    taking turns; auto resolving to a format already asked for is measured once; the
+    threads of PyTorch-run weights are --pass-threads'; llama.cpp's row comes once."""
+    target, _ = pair
+    monkeypatch.setenv("SPECULANT_LLAMA_CPP_BIN", str(tmp_path / "no-llama"))
+    out = tmp_path / "out"
+    argv = ["bench", "--pass-cost", "--target", str(target.source), "--draft", "none"]
+    argv += ["--pass-dtypes", "float32,auto,int8,int4,bfloat16", "--pass-threads", "2,1"]
+    argv += ["--pass-widths", "2", "--pass-reps", "1", "--pass-context", "8"]
+    argv += ["--max-tokens", "2", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    ours = [r for r in data["rows"] if r["engine"] == "speculant"]
+    # auto is bfloat16 for a folder: measured once, where auto came
+    assert [(r["dtype"], r["threads"]) for r in ours] == [
+        (dtype, threads) for dtype in ("float32", "bfloat16", "int8", "int4") for threads in (2, 1)
+    ]
+    for r in ours:
+        assert r["role"] == "target" and r["kernel_path"] == "torch"
+        assert set(r["pass_ms"]) == {"1", "2"}
+        assert all(ms > 0 for ms in r["pass_ms"].values())
+        assert r["plain_tok_s"] > 0
+    peers = [r for r in data["rows"] if r["engine"] == "llama.cpp"]
+    assert len(peers) == 1 and "GGUF" in peers[0]["unavailable"]
+    md = (out / "results.md").read_text()
+    for dtype in ("float32", "bfloat16", "int8", "int4"):
+        assert f"| speculant {dtype} | 2 |" in md and f"| speculant {dtype} | 1 |" in md
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--pass-widths", "0"], "0 is out of range"),
         (["--pass-threads", "two"], "'two'"),
         (["--kernel-paths", "sse9"], "kernel path 'sse9'"),
+        (["--pass-dtypes", "float32,fp8"], "dtype 'fp8'"),
         (["--serve"], "run one at a time"),
     ],
 )

@@ -234,22 +234,19 @@ def test_int4_draft_samples_follow_target(tiny_root) -> None:  # type: ignore[no
 def test_a_draft_with_zero_q_is_refused() -> None:
     """u * q < p would accept a token the draft could not have sampled (q = 0) whenever
     p > 0, silently leaving the target's distribution: it is an error, chain and tree."""
-    from speculant.rejection import verify_tree
-
     p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
     q = torch.tensor([[1.0, 0.0, 0.0]])
     g = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="draft token 1 at draft position 0 has probability 0"):
         verify([1], q, p, g)
     with pytest.raises(ValueError, match="draft token 1 at draft position 0 has probability 0"):
-        verify_tree([1], [-1], p, g, q_nodes=q)
+        verify([1], q, p, g, parents=[-1])
     assert verify([0], q, p, g).token_ids[0] in (0, 1)  # q > 0: the rule as before
 
 
 def test_seeded_tree_rule_follows_p() -> None:
-    """verify_tree's coupled rule: the emitted first token follows p[0] and the walk
+    """verify's coupled rule on a tree: the emitted first token follows p[0] and the walk
     follows the child holding the target's draw."""
-    from speculant.rejection import verify_tree
     from speculant.sampling import Coupled
 
     g = torch.Generator().manual_seed(1)
@@ -258,7 +255,7 @@ def test_seeded_tree_rule_follows_p() -> None:
     n = 20000
     first: Counter = Counter()  # type: ignore[type-arg]
     for i in range(n):
-        v = verify_tree(tokens, parents, p_rows, None, coupled=Coupled(i, 7))
+        v = verify(tokens, None, p_rows, None, Coupled(i, 7), parents)
         first[v.token_ids[0]] += 1
         if v.path:
             assert v.path[0] in (0, 1) and v.token_ids[0] == tokens[v.path[0]]

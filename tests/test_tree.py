@@ -11,7 +11,7 @@ import torch
 from test_distribution import chi2_rejects
 
 from speculant.models.segment import Segment
-from speculant.rejection import verify_tree
+from speculant.rejection import verify
 
 VOCAB = 6
 # root -> [a=2, b=4]; a -> [c=1, d=3]; b -> [e=0]
@@ -41,15 +41,15 @@ def test_greedy_follows_the_argmax_path() -> None:
     p[0, 2] = 1  # the target wants a (node 0)
     p[1, 3] = 1  # then d (node 3)
     p[4, 5] = 1  # then 5 after d: the bonus
-    v = verify_tree(TOKENS, PARENTS, p, None)
+    v = verify(TOKENS, None, p, None, parents=PARENTS)
     assert v.path == [0, 3] and v.token_ids == [2, 3, 5]
     p[1] = 0
     p[1, 5] = 1  # after a the target wants 5: no child matches
-    v = verify_tree(TOKENS, PARENTS, p, None)
+    v = verify(TOKENS, None, p, None, parents=PARENTS)
     assert v.path == [0] and v.token_ids == [2, 5]
     p[0] = 0
     p[0, 3] = 1  # neither a nor b
-    v = verify_tree(TOKENS, PARENTS, p, None)
+    v = verify(TOKENS, None, p, None, parents=PARENTS)
     assert v.path == [] and v.token_ids == [3]
 
 
@@ -73,7 +73,7 @@ def test_sampled_tree_output_follows_target(sampled: bool) -> None:
             tokens = [a, b, 1, 3, 0]
             q = torch.stack([draft_q, draft_q, *torch.eye(VOCAB)[[1, 3, 0]]])
             p_rows = torch.stack([p1, p2[a], p2[b], *[torch.full((VOCAB,), 1.0 / VOCAB)] * 3])
-        v = verify_tree(tokens, PARENTS, p_rows, g, q)
+        v = verify(tokens, q, p_rows, g, parents=PARENTS)
         first[v.token_ids[0]] += 1
         if v.token_ids[0] == tokens[0] and v.path[:1] == [0]:
             accepted_a += 1
@@ -97,9 +97,9 @@ def test_sampled_tree_output_follows_target(sampled: bool) -> None:
 def test_tree_shape_is_checked() -> None:
     p = torch.full((3, VOCAB), 1.0 / VOCAB)
     with pytest.raises(ValueError, match="parents must come first"):
-        verify_tree([1, 2], [1, -1], p, None)
+        verify([1, 2], None, p, None, parents=[1, -1])
     with pytest.raises(ValueError, match="rows"):
-        verify_tree([1, 2, 3], [-1, 0, 0], p, None)
+        verify([1, 2, 3], None, p, None, parents=[-1, 0, 0])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

@@ -109,18 +109,6 @@ def verify(
     return _tree(draft_ids, children, q_rows, p_target, generator)
 
 
-def verify_tree(
-    tokens: Sequence[int],
-    parents: Sequence[int],
-    p_target: Tensor,
-    generator: torch.Generator | None,
-    q_nodes: Tensor | None = None,
-    coupled: Coupled | None = None,
-) -> Verdict:
-    """`verify` of a tree, arguments in the tree's order (tokens, then parents)."""
-    return verify(tokens, q_nodes, p_target, generator, coupled, parents)
-
-
 def _coupled(
     draft_ids: Sequence[int], children: list[list[int]], p_target: Tensor, coupled: Coupled
 ) -> Verdict:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speculant.argtypes import add_dtype_args, positive_int, seed_value
+from speculant.argtypes import DTYPE_CHOICES, add_dtype_args, positive_int, seed_value
 from speculant.bench.measure import DEFAULT_WATTS_PER_CORE
 from speculant.bench.peers import PEER_GROUPS, PEER_NAMES
 from speculant.bench.quant import add_quant_args
@@ -26,6 +26,11 @@ examples:
   speculant bench --workloads code,extraction --methods ngram,suffix --k 3,5,8
   speculant bench --methods draft --peers transformers-assisted,llama.cpp-lookup
   speculant bench --target smollm2-135m-instruct --methods ngram,suffix --peers all --limit 1
+  speculant bench --workloads chat --limit 2 --methods layer-skip:auto:0.75 --fresh-engines
+
+pass cost (--pass-cost: one pass over w new tokens, ours and llama-bench's):
+  speculant bench --pass-cost --draft none --pass-dtypes bfloat16,int8,int4,gguf
+  speculant bench --pass-cost --pass-threads 2,1 --kernel-paths avx2,avx512vnni
 
 server load (--serve: the real server on loopback, concurrent streaming requests):
   speculant bench --serve                                        # none, draft:3, ngram:3 at c=1,4,8
@@ -87,6 +92,18 @@ def _int_list(least: int) -> Any:
         return list(dict.fromkeys(values))
 
     return parse
+
+
+def _dtype_list(text: str) -> list[str]:
+    names = _csv(text)
+    bad = [n for n in names if n not in DTYPE_CHOICES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"dtype {bad[0]!r}: use some of {', '.join(DTYPE_CHOICES)}"
+        )
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one dtype, e.g. bfloat16,int8")
+    return list(dict.fromkeys(names))
 
 
 def _on_off(text: str) -> list[bool]:
@@ -211,11 +228,12 @@ def add_pass_cost_args(p: argparse.ArgumentParser) -> None:
         "pass cost (--pass-cost)",
         "What one model pass over w new tokens costs: speculation pays only where a verify\n"
         "pass over k + 1 tokens costs little more than one token. For the target at --dtype\n"
-        "and the draft at --draft-dtype (unless --draft none): the median ms of a pass over\n"
-        "w tokens after a --pass-context-token prefix, its ratio to w = 1, and plain greedy\n"
-        "tokens/s over --max-tokens (default 32 here); llama.cpp's llama-bench on the same\n"
-        "GGUF files beside it ($SPECULANT_LLAMA_CPP_BIN or PATH). Writes results.json,\n"
-        "results.md and pass_cost.png under --out. See docs/benchmarks.md.",
+        "(or at each of --pass-dtypes) and the draft at --draft-dtype (unless --draft none):\n"
+        "the median ms of a pass over w tokens after a --pass-context-token prefix, its\n"
+        "ratio to w = 1, and plain greedy tokens/s over --max-tokens (default 32 here);\n"
+        "llama.cpp's llama-bench on the same GGUF files beside it ($SPECULANT_LLAMA_CPP_BIN\n"
+        "or PATH). Writes results.json, results.md and pass_cost.png under --out. See\n"
+        "docs/benchmarks.md.",
     )
     g.add_argument(
         "--pass-cost", action="store_true", help="run the pass-cost benchmark instead of the suite"
@@ -234,12 +252,22 @@ def add_pass_cost_args(p: argparse.ArgumentParser) -> None:
         "--pass-reps", type=positive_int, default=7, metavar="N", help="passes per width (7)"
     )
     g.add_argument(
+        "--pass-dtypes",
+        type=_dtype_list,
+        default=None,
+        metavar="DTYPE,...",
+        help="measure the target in each of these weight formats instead of --dtype, one row "
+        "each, taking turns within every repeat: e.g. bfloat16,int8,int4 (a folder) or "
+        f"gguf,int8,int4 (a .gguf file); any of {', '.join(DTYPE_CHOICES)}",
+    )
+    g.add_argument(
         "--pass-threads",
         type=_int_list(1),
         default=[],
         metavar="T,...",
-        help="kernel thread counts taking turns, e.g. 2,1 (default: every core, or "
-        "$SPECULANT_THREADS); llama-bench runs at each",
+        help="kernel thread counts taking turns, e.g. 2,1: the native kernels' threads for "
+        "GGUF weights, PyTorch's for the others (default: every core, or $SPECULANT_THREADS "
+        "and --threads); llama-bench runs at each",
     )
     g.add_argument(
         "--kernel-paths",
@@ -339,6 +367,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generations")
     p.add_argument(
+        "--fresh-engines",
+        action="store_true",
+        help="build each method's engine anew for every request (every turn of every "
+        "prompt; not timed): each run is a first request, with nothing learned by -k auto "
+        "or the proposer; plain decoding, the baseline, keeps one warmed-up engine",
+    )
+    p.add_argument(
         "--watts-per-core",
         type=float,
         default=DEFAULT_WATTS_PER_CORE,
@@ -394,6 +429,15 @@ def _command() -> str:
 def _load_models(args: argparse.Namespace, with_draft: bool) -> tuple[Any, Any]:
     """The target (and the draft when asked) as the flags say, and the threads: --threads
     for PyTorch, else PyTorch on one core beside the native kernels."""
+    targets, draft = _load_targets(args, [args.dtype], with_draft)
+    return targets[0], draft
+
+
+def _load_targets(
+    args: argparse.Namespace, dtypes: list[str], with_draft: bool
+) -> tuple[list[Any], Any]:
+    """_load_models with the target in each of `dtypes` (a dtype that resolves to a format
+    already loaded, as auto may, is left out)."""
     import torch
 
     from speculant import native
@@ -402,15 +446,23 @@ def _load_models(args: argparse.Namespace, with_draft: bool) -> tuple[Any, Any]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     trust = args.trust_unverified
-    target = load_model(args.target, dtype=args.dtype, trust_unverified=trust)
+    targets: list[Any] = []
+    for dtype in dtypes:
+        target = load_model(args.target, dtype=dtype, trust_unverified=trust)
+        if any(t.dtype_name == target.dtype_name for t in targets):
+            print(
+                f"--pass-dtypes: {dtype} is {target.dtype_name}, already measured", file=sys.stderr
+            )
+            continue
+        targets.append(target)
     draft = None
     if with_draft:
         draft = load_model(
             args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
         )
     if args.threads is None:
-        native.share_cores_if_native(target, draft)
-    return target, draft
+        native.share_cores_if_native(*targets, draft)
+    return targets, draft
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -453,6 +505,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         warmup=not args.no_warmup,
+        fresh_engines=args.fresh_engines,
         watts_per_core=args.watts_per_core,
     )
     progress = _RichProgress(console)
@@ -552,6 +605,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_pass_cost(args: argparse.Namespace) -> int:
     """`speculant bench --pass-cost`: pass cost by width, ours and llama.cpp's."""
+    import torch
     from rich.console import Console
 
     from speculant.bench.pass_cost import (
@@ -572,9 +626,12 @@ def cmd_bench_pass_cost(args: argparse.Namespace) -> int:
         paths=args.kernel_paths or [""],
         threads=args.pass_threads,
         llama_cpp=not args.no_llama_bench,
+        # PyTorch-run weights keep every core even where GGUF ones share them (below)
+        torch_threads=args.threads or torch.get_num_threads(),
     )
-    target, draft = _load_models(args, args.draft not in (None, "none"))
-    models = [("target", target)] + ([("draft", draft)] if draft is not None else [])
+    dtypes = args.pass_dtypes or [args.dtype]
+    targets, draft = _load_targets(args, dtypes, args.draft not in (None, "none"))
+    models = [("target", t) for t in targets] + ([("draft", draft)] if draft is not None else [])
     console = Console(stderr=True)
     rows = run_pass_cost(models, cfg, say=lambda text: console.print(f"[dim]{text}[/]"))
     data = report(rows, cfg, _command())

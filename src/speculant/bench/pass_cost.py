@@ -6,10 +6,12 @@ the draft, unless `--draft none`) at their dtypes, each width w in `--pass-width
 timed as a pass over w new tokens after a `--pass-context`-token prefix (the cache is
 rewound between repeats, so every pass sees the same context); the median of
 `--pass-reps` passes, its ratio to w = 1, and plain greedy decoding tok/s over
-`--max-tokens` tokens. Kernel paths (`--kernel-paths avx2,avx512vnni`, optionally with
-tuning knobs: `avx512vnni+prefetch_bytes=0`) and kernel thread counts
-(`--pass-threads 2,1`) take turns within every repeat, so that the machine's drift falls
-on all alike.
+`--max-tokens` tokens. The target in several weight formats (`--pass-dtypes
+bfloat16,int8,int4,gguf`, one row each), kernel paths (`--kernel-paths
+avx2,avx512vnni`, optionally with tuning knobs: `avx512vnni+prefetch_bytes=0`) and
+kernel thread counts (`--pass-threads 2,1`: the native kernels' threads for GGUF
+weights, PyTorch's for the others) take turns within every repeat, so that the
+machine's drift falls on all alike.
 
 llama.cpp's `llama-bench` ($SPECULANT_LLAMA_CPP_BIN or PATH) runs beside it on the same
 GGUF files at the same thread counts: `-p W1,W2,... -n N`, a pass over w tokens costing
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from speculant import native
 from speculant.bench.peers import LLAMA_CLI_HINT, llama_cli_binary
 from speculant.models.model import Model
@@ -45,6 +49,9 @@ class PassCostConfig:
     paths: list[str] = field(default_factory=lambda: [""])  # "" = the one the CPU picks
     threads: list[int] = field(default_factory=list)  # [] = the kernels' default
     llama_cpp: bool = True
+    # PyTorch's threads for weights PyTorch runs (not GGUF) when `threads` is empty;
+    # None: as set when the run starts.
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.widths or min(self.widths) < 1:
@@ -65,15 +72,45 @@ class PassCostConfig:
                 raise ValueError(f"kernel path {name!r}: use one of {', '.join(known)}")
 
 
-def _variants(cfg: PassCostConfig, model: Model) -> list[tuple[str, int | None]]:
-    """(kernel path, kernel threads) pairs that take turns; paths only for GGUF models."""
-    gguf = model.dtype_name == "gguf" and native.available()
-    paths = cfg.paths if gguf else [""]
+# A variant: (index of the model in the list, kernel path, threads).
+Variant = tuple[int, str, int | None]
+
+
+def _native(model: Model) -> bool:
+    """Whether the native kernels run the model's weights (GGUF blocks), not PyTorch."""
+    return model.dtype_name == "gguf" and native.available()
+
+
+def _variants(cfg: PassCostConfig, models: Sequence[Model]) -> list[Variant]:
+    """(model, kernel path, threads) triples that take turns; paths only for GGUF models."""
     threads: list[int | None] = list(cfg.threads) if cfg.threads else [None]
-    return [(p, t) for p in paths for t in threads]
+    return [
+        (i, p, t)
+        for i, model in enumerate(models)
+        for p in (cfg.paths if _native(model) else [""])
+        for t in threads
+    ]
 
 
-def _use(path: str, threads: int | None, defaults: dict[str, int]) -> None:
+def _use(
+    model: Model,
+    path: str,
+    threads: int | None,
+    defaults: dict[str, int],
+    torch_threads: tuple[int, int],
+) -> None:
+    """Set the kernels for one variant: the native path, knobs and threads for GGUF
+    weights; PyTorch's threads for the others. torch_threads: PyTorch's threads beside
+    the native kernels, and for the weights it runs when `threads` is None."""
+    if _native(model):
+        _set_native(path, threads, defaults)
+        torch.set_num_threads(torch_threads[0])
+    else:
+        _set_native("", None, defaults)
+        torch.set_num_threads(threads if threads is not None else torch_threads[1])
+
+
+def _set_native(path: str, threads: int | None, defaults: dict[str, int]) -> None:
     if not native.available():
         return
     native.set_path(path.split("+", 1)[0] if path else "auto")
@@ -85,54 +122,78 @@ def _use(path: str, threads: int | None, defaults: dict[str, int]) -> None:
     native.THREADS = threads if threads is not None else _DEFAULT_THREADS
 
 
-def measure_model(
-    model: Model, role: str, cfg: PassCostConfig, say: Callable[[str], None] = print
+def measure_models(
+    models: Sequence[Model], role: str, cfg: PassCostConfig, say: Callable[[str], None] = print
 ) -> list[dict[str, Any]]:
-    """One row per (kernel path, threads) of `model`: pass ms by width and plain tok/s."""
-    tok = model.tokenizer
-    assert tok is not None
-    ids = tok.encode(PROMPT * 64)[: cfg.context]
-    if len(ids) < cfg.context:
-        raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
-    cache = model.new_cache(cfg.context + max(cfg.widths) + cfg.new + 8)
-    model.prefill(ids, cache)
-    variants = _variants(cfg, model)
+    """One row per (model, kernel path, threads), all taking turns within every repeat:
+    pass ms by width and plain tok/s. `models` are one model in several weight formats
+    (or any models sharing a tokenizer's prompt)."""
+    ids_of: list[list[int]] = []
+    caches = []
+    for model in models:
+        tok = model.tokenizer
+        assert tok is not None
+        ids = tok.encode(PROMPT * 64)[: cfg.context]
+        if len(ids) < cfg.context:
+            raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
+        cache = model.new_cache(cfg.context + max(cfg.widths) + cfg.new + 8)
+        model.prefill(ids, cache)
+        ids_of.append(ids)
+        caches.append(cache)
+    variants = _variants(cfg, models)
     defaults = native.tuning() if native.available() else {}
-    rows: dict[tuple[str, int | None], dict[str, Any]] = {
-        v: {
+    start_torch = torch.get_num_threads()
+    torch_threads = cfg.torch_threads or start_torch
+
+    def use(v: Variant) -> None:
+        _use(models[v[0]], v[1], v[2], defaults, (start_torch, torch_threads))
+
+    def label(v: Variant) -> str:
+        return f"{models[v[0]].dtype_name} " if len(models) > 1 else ""
+
+    def row(v: Variant) -> dict[str, Any]:
+        i, path, threads = v
+        if _native(models[i]):
+            kernel = path or native.active_path()
+            used = threads if threads is not None else _DEFAULT_THREADS
+        else:
+            kernel = "torch"
+            used = threads if threads is not None else torch_threads
+        return {
             "role": role,
             "engine": "speculant",
-            "model": model.name,
-            "dtype": model.dtype_name,
-            "kernel_path": v[0] or (native.active_path() if native.available() else "torch"),
-            "threads": v[1] if v[1] is not None else _DEFAULT_THREADS,
+            "model": models[i].name,
+            "dtype": models[i].dtype_name,
+            "kernel_path": kernel,
+            "threads": used,
             "pass_ms": {},
         }
-        for v in variants
-    }
+
+    rows: dict[Variant, dict[str, Any]] = {v: row(v) for v in variants}
     try:
         for w in cfg.widths:
-            tokens = ids[:w]
-            times: dict[tuple[str, int | None], list[float]] = {v: [] for v in variants}
+            times: dict[Variant, list[float]] = {v: [] for v in variants}
             for v in variants:
-                _use(*v, defaults)
-                model.forward(tokens, cache, cfg.context)  # warm
+                use(v)
+                models[v[0]].forward(ids_of[v[0]][:w], caches[v[0]], cfg.context)  # warm
             for _ in range(cfg.reps):
                 for v in variants:
-                    _use(*v, defaults)
+                    use(v)
+                    model, tokens, cache = models[v[0]], ids_of[v[0]][:w], caches[v[0]]
                     t0 = time.perf_counter()
                     model.forward(tokens, cache, cfg.context)
                     times[v].append(time.perf_counter() - t0)
             for v in variants:
                 rows[v]["pass_ms"][w] = 1e3 * statistics.median(times[v])
             say(
-                f"{role} {model.name}: w={w} "
-                + ", ".join(f"{rows[v]['pass_ms'][w]:.1f} ms" for v in variants)
+                f"{role} {models[0].name}: w={w} "
+                + ", ".join(f"{label(v)}{rows[v]['pass_ms'][w]:.1f} ms" for v in variants)
             )
-        speeds: dict[tuple[str, int | None], list[float]] = {v: [] for v in variants}
+        speeds: dict[Variant, list[float]] = {v: [] for v in variants}
         for _ in range(2):
             for v in variants:
-                _use(*v, defaults)
+                use(v)
+                model, ids, cache = models[v[0]], ids_of[v[0]], caches[v[0]]
                 cache.length = cfg.context
                 last = int(model.forward(ids[-1:], cache, cfg.context - 1)[-1].argmax())
                 t0 = time.perf_counter()
@@ -142,7 +203,8 @@ def measure_model(
         for v in variants:
             rows[v]["plain_tok_s"] = statistics.median(speeds[v])
     finally:
-        _use("", None, defaults)
+        _set_native("", None, defaults)
+        torch.set_num_threads(start_torch)
     return list(rows.values())
 
 
@@ -201,12 +263,19 @@ def llama_bench_rows(
 def run_pass_cost(
     models: Sequence[tuple[str, Model]], cfg: PassCostConfig, say: Callable[[str], None] = print
 ) -> list[dict[str, Any]]:
-    """Rows for every (role, model): ours, then llama.cpp's on the same file."""
+    """Rows for every role: ours (the role's models, several weight formats of one model
+    taking turns), then llama.cpp's once for each GGUF file among them (or one row saying
+    why it could not run)."""
     rows: list[dict[str, Any]] = []
-    for role, model in models:
-        rows += measure_model(model, role, cfg, say)
+    for role in dict.fromkeys(role for role, _ in models):
+        group = [m for r, m in models if r == role]
+        rows += measure_models(group, role, cfg, say)
         if cfg.llama_cpp:
-            rows += llama_bench_rows(model, role, cfg, say)
+            files = {
+                m.source: m for m in group if m.source is not None and m.source.suffix == ".gguf"
+            }
+            for model in list(files.values()) or group[:1]:
+                rows += llama_bench_rows(model, role, cfg, say)
     return rows
 
 

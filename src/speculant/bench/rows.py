@@ -339,6 +339,7 @@ def build_meta(
         "max_tokens": cfg.max_tokens,
         "limit": cfg.limit,
         "peer_limit": cfg.peer_limit,
+        "fresh_engines": cfg.fresh_engines,
         "ks": list(cfg.ks),
         "methods": [s.label for s in specs],
         "peers": [p.label for p in peers],

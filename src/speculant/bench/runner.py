@@ -120,9 +120,9 @@ def run_bench(
     methods: dict[str, Method] = {}
     target_bytes = target.net.weights.nbytes()
     warm_ids = _warmup_ids(target, wls)
-    for spec in specs:
-        t0 = time.perf_counter()
-        engine = Engine(
+
+    def build(spec: MethodSpec) -> Engine:
+        return Engine(
             target,
             draft=draft if spec.method == "draft" else None,
             method=spec.method,
@@ -132,6 +132,10 @@ def run_bench(
                 **({"eagle_head": eagle_head} if spec.method == "eagle" else {}),
             },
         )
+
+    for spec in specs:
+        t0 = time.perf_counter()
+        engine = build(spec)
         setup = time.perf_counter() - t0
         take = record_steps(engine)
         if cfg.warmup:
@@ -165,6 +169,10 @@ def run_bench(
                 turn_ids.append(ids)
                 for spec in specs:
                     engine, take = engines[spec.label]
+                    if cfg.fresh_engines and spec.method != BASELINE:
+                        # a first request: nothing learned by -k auto or the proposer
+                        engine = build(spec)
+                        take = record_steps(engine)
                     sample = runs[spec.label]
                     with measured(energy, memory) as usage:
                         res = engine.generate(ids, params)

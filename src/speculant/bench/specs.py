@@ -110,6 +110,10 @@ class BenchConfig:
     seed: int | None = 0
     ignore_eos: bool = False
     warmup: bool = True
+    # A new engine for every request of each method other than the baseline (its setup,
+    # layer-skip's calibration included, is not timed): every run is a first request,
+    # with nothing learned by -k auto or the proposer.
+    fresh_engines: bool = False
     watts_per_core: float = DEFAULT_WATTS_PER_CORE
 
     @property
