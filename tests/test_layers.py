@@ -280,7 +280,7 @@ def test_no_cycle_between_components() -> None:
 
 def test_lazy_cycles_stay_inside_a_component() -> None:
     """Lazy imports close a few cycles between modules; each stays within one component
-    (today two in speculant.models: registry <-> integrity, decoder <-> numerics)."""
+    (today one, in speculant.models: registry <-> integrity)."""
     eager, lazy = import_edges()
     for scc in cycles(eager | lazy):
         assert len({component(m) for m in scc}) == 1, f"a cycle across components: {scc}"

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -138,3 +138,82 @@ def embed_rows(table: Tensor | GGUFWeight, ids: Tensor) -> Tensor:
     if isinstance(table, GGUFWeight):
         return table.rows(ids)
     return F.embedding(ids, table)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor  # [dim]
+    wqkv: Linear  # [(n_heads + 2 * n_kv_heads) * head_dim, dim]
+    wo: Linear  # [dim, n_heads * head_dim]
+    ffn_norm: Tensor  # [dim]
+    w_gate_up: Linear  # [2 * ffn_dim, dim]
+    w_down: Linear  # [dim, ffn_dim]
+    bqkv: Tensor | None = None  # [(n_heads + 2 * n_kv_heads) * head_dim]
+    q_norm: Tensor | None = None  # [head_dim]
+    k_norm: Tensor | None = None  # [head_dim]
+    post_attn_norm: Tensor | None = None  # [dim]
+    post_ffn_norm: Tensor | None = None  # [dim]
+
+
+@dataclass
+class Weights:
+    tok_embeddings: Tensor | GGUFWeight  # [vocab, dim]
+    norm: Tensor  # [dim]
+    output: Linear  # [vocab, dim] (the embedding itself when tied)
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    def tensors(self) -> list[Tensor]:
+        out: list[Tensor] = []
+        for value in [self.tok_embeddings, self.norm, self.output, *self._layer_values()]:
+            if isinstance(value, Int8Weight):
+                out.extend([value.q, value.scales])
+            elif isinstance(value, Int4Weight):
+                out.extend([value.packed, value.scales_zeros])
+            elif isinstance(value, GGUFWeight):
+                out.extend(value.matrix.tensors())
+            elif isinstance(value, Tensor):
+                out.append(value)
+        return out
+
+    def _layer_values(self) -> list[object]:
+        return [v for lw in self.layers for v in vars(lw).values()]
+
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.tensors():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def quantize(self, fmt: str) -> None:
+        """Replace every projection and the LM head by weight-only `fmt` ("int8" or
+        "int4"; int4 shapes the kernel cannot take stay int8). Embedding lookups stay
+        in the activation dtype."""
+        if fmt not in ("int8", "int4"):
+            raise ValueError(f"weight format {fmt!r} is not supported: use int8 or int4")
+
+        def convert(w: Linear) -> Linear:
+            if not isinstance(w, Tensor):
+                return w
+            if fmt == "int4" and Int4Weight.fits(w):
+                return Int4Weight.quantize(w)
+            return Int8Weight.quantize(w)
+
+        for lw in self.layers:
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                setattr(lw, name, convert(getattr(lw, name)))
+        self.output = convert(self.output)
+
+    @property
+    def weight_format(self) -> str | None:
+        """ "gguf", "int4" or "int8" when the projections are quantized, else None."""
+        w = self.layers[0].w_gate_up if self.layers else self.output
+        if isinstance(w, GGUFWeight):
+            return "gguf"
+        if isinstance(w, Int4Weight):
+            return "int4"
+        if isinstance(w, Int8Weight):
+            return "int8"
+        return None

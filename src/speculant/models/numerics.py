@@ -32,9 +32,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from speculant.models.attention import attend_values
+from speculant.models.formats import linear
+
 if TYPE_CHECKING:
     from speculant.models.config import ModelConfig
-    from speculant.models.decoder import Linear, Weights
+    from speculant.models.formats import Linear, Weights
 
 Padding = tuple[int, int]  # (least rows, row multiple)
 CANDIDATES: tuple[Padding, ...] = (
@@ -119,8 +122,6 @@ def _ops(
     config: ModelConfig, weights: Weights, dtype: torch.dtype
 ) -> list[Callable[[Tensor], Tensor]]:
     """The decoder's row-dependent ops, as functions of [T, width] inputs."""
-    from speculant.models.decoder import attend_values, linear
-
     c = config
     lw = weights.layers[0]
     nh, nkv, hd = c.n_heads, c.n_kv_heads, c.head_dim

@@ -1026,6 +1026,39 @@ int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int 
     return 0;
 }
 
+/* The activation rows of a pass, quantized for the K-quant parts (xk) and the legacy ones
+ * (xg) where wanted: each row by itself (the same bits whoever quantizes it), so a pass
+ * of many rows (a prefill) shares the rows out over the threads in chunks of 16. */
+typedef struct {
+    const float *x;
+    int64_t K, m;
+    xk_t *xk;
+    xg_t *xg;
+    int path;
+} quant_t;
+
+#define QUANT_CHUNK 16
+static void quantize_chunk(const void *ctx, int64_t chunk) {
+    const quant_t *q = ctx;
+    const int64_t nk = q->K / 256, ng = (q->K / 32 + 7) / 8;
+    const int64_t r1 = (chunk + 1) * QUANT_CHUNK < q->m ? (chunk + 1) * QUANT_CHUNK : q->m;
+    for (int64_t r = chunk * QUANT_CHUNK; r < r1; r++) {
+        if (q->xk) quantize_row_k(q->x + r * q->K, q->K, q->xk + r * nk, q->path);
+        if (q->xg) quantize_row_g(q->x + r * q->K, q->K, q->xg + r * ng, q->path);
+    }
+}
+
+static void quantize_rows_all(const float *x, int64_t K, int64_t m, xk_t *xk, xg_t *xg, int path,
+                              int nthreads) {
+    quant_t q = {x, K, m, xk, xg, path};
+    job_t jb;
+    memset(&jb, 0, sizeof jb);
+    jb.task = quantize_chunk;
+    jb.ctx = &q;
+    jb.nchunks = (m + QUANT_CHUNK - 1) / QUANT_CHUNK;
+    pool_run(&jb, nthreads);
+}
+
 /* y[r * ldy + c] for r < m and the parts' columns (concatenated in order); the parts'
  * weights are packed (spec_repack). Returns 0, or a negative code: -1 unsupported type,
  * -2 K not a block multiple, -3 too many parts, -4 out of memory. */
@@ -1058,19 +1091,14 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
     if (jb.path < 0) jb.path = PATH_PORTABLE;
     xk_t *xk = NULL;
     xg_t *xg = NULL;
-    if (needk) {
-        xk = malloc(sizeof(xk_t) * (size_t)(m * jb.nk));
-        if (!xk) return -4;
-        for (int64_t r = 0; r < m; r++) quantize_row_k(x + r * K, K, xk + r * jb.nk, jb.path);
+    if (needk) xk = malloc(sizeof(xk_t) * (size_t)(m * jb.nk));
+    if (needg) xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
+    if ((needk && !xk) || (needg && !xg)) {
+        free(xk);
+        free(xg);
+        return -4;
     }
-    if (needg) {
-        xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
-        if (!xg) {
-            free(xk);
-            return -4;
-        }
-        for (int64_t r = 0; r < m; r++) quantize_row_g(x + r * K, K, xg + r * jb.ng, jb.path);
-    }
+    quantize_rows_all(x, K, m, xk, xg, jb.path, nthreads);
     jb.xk = xk;
     jb.xg = xg;
     /* Columns per chunk: enough work per chunk to amortize the hand-out, enough chunks
@@ -1490,10 +1518,9 @@ AVX2 static void silu_mul_avx2(const float *g, const float *u, float *out, int64
 }
 #endif
 
-int spec_silu_mul(const float *gu, int64_t m, int64_t F, float *out) {
-    if (m < 0 || F < 0) return -1;
-    const int path = resolve_path();
-    for (int64_t r = 0; r < m; r++) {
+static void silu_mul_rows(const float *gu, int64_t r0, int64_t r1, int64_t F, float *out,
+                          int path) {
+    for (int64_t r = r0; r < r1; r++) {
         const float *g = gu + r * 2 * F, *u = g + F;
         float *o = out + r * F;
 #ifdef SPEC_X86
@@ -1505,7 +1532,36 @@ int spec_silu_mul(const float *gu, int64_t m, int64_t F, float *out) {
         for (int64_t j = 0; j < F; j++) o[j] = silu_mul1(g[j], u[j]);
     }
     (void)path;
+}
+
+typedef struct {
+    const float *gu;
+    int64_t m, F;
+    float *out;
+    int path;
+} silu_t;
+
+static void silu_chunk(const void *ctx, int64_t chunk) {
+    const silu_t *a = ctx;
+    const int64_t r1 = (chunk + 1) * QUANT_CHUNK < a->m ? (chunk + 1) * QUANT_CHUNK : a->m;
+    silu_mul_rows(a->gu, chunk * QUANT_CHUNK, r1, a->F, a->out, a->path);
+}
+
+/* rows in chunks of 16 over the threads (each value depends on its inputs only) */
+static int silu_mul_threads(const float *gu, int64_t m, int64_t F, float *out, int nthreads) {
+    if (m < 0 || F < 0) return -1;
+    silu_t a = {gu, m, F, out, resolve_path()};
+    job_t jb;
+    memset(&jb, 0, sizeof jb);
+    jb.task = silu_chunk;
+    jb.ctx = &a;
+    jb.nchunks = (m + QUANT_CHUNK - 1) / QUANT_CHUNK;
+    pool_run(&jb, nthreads);
     return 0;
+}
+
+int spec_silu_mul(const float *gu, int64_t m, int64_t F, float *out) {
+    return silu_mul_threads(gu, m, F, out, 1);
 }
 
 /* ------------------------------------------------------- whole layers in one call */
@@ -1584,7 +1640,7 @@ int spec_layers(const spec_layer_t *layers, int64_t nlayers, int64_t dim, int64_
         for (int64_t i = 0; i < m * dim; i++) x[i] = x[i] + a[i];
         if ((rc = spec_rms_norm(x, L->ffn_norm, m, dim, eps, h))) break;
         if ((rc = mat_apply(&L->gate_up, h, m, a, nthreads))) break;
-        if ((rc = spec_silu_mul(a, m, F2 / 2, b))) break;
+        if ((rc = silu_mul_threads(a, m, F2 / 2, b, nthreads))) break;
         if ((rc = mat_apply(&L->down, b, m, a, nthreads))) break;
         for (int64_t i = 0; i < m * dim; i++) x[i] = x[i] + a[i];
     }
