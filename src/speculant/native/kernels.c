@@ -394,12 +394,16 @@ static void repack_rows(int type, const uint8_t *src, int64_t K, int64_t r0, int
 /* ------------------------------------------------------------ activation quantizing */
 /* K-quant activations: one 256-value block, codes in the packed register order. */
 typedef struct {
-    float d;
-    int16_t bsums[16]; /* sums of the codes of values 16i .. 16i + 15 */
-    float bs32f[8];    /* sums of the codes of values 32i .. 32i + 31 (exact as floats) */
-    int8_t q16[256];   /* the codes by 16 (for Q6_K) */
+    /* Each permutation in its own 4 cache lines and the scalars in a fifth (576 bytes,
+     * 64-aligned): a Q4_K or a Q6_K tile touches 5 lines of a block, its vector loads
+     * never split a line, and a pass of 8 rows over K = 8960 keeps ~90 KB of activations
+     * close instead of ~125 KB. */
     int8_t q32[256];   /* the codes by 32 (for Q4_K) */
-} xk_t;
+    int8_t q16[256];   /* the codes by 16 (for Q6_K) */
+    float d;
+    float bs32f[8];    /* sums of the codes of values 32i .. 32i + 31 (exact as floats) */
+    int16_t bsums[16]; /* sums of the codes of values 16i .. 16i + 15 */
+} __attribute__((aligned(64))) xk_t;
 
 /* Legacy activations: a group of 8 blocks of 32, codes in the packed register order. */
 typedef struct {
@@ -1091,7 +1095,7 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
     if (jb.path < 0) jb.path = PATH_PORTABLE;
     xk_t *xk = NULL;
     xg_t *xg = NULL;
-    if (needk) xk = malloc(sizeof(xk_t) * (size_t)(m * jb.nk));
+    if (needk) xk = aligned_alloc(64, sizeof(xk_t) * (size_t)(m * jb.nk));
     if (needg) xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
     if ((needk && !xk) || (needg && !xg)) {
         free(xk);
