@@ -19,6 +19,8 @@ GEN = torch.Generator()
 
 
 def ngram_draft(context: list[int], k: int, **kw: int) -> list[int]:
+    """The matcher alone: every match drafts k (match_scaled off unless asked)."""
+    kw.setdefault("match_scaled", False)
     p = NgramProposer(**kw)
     p.begin(context, 100)
     return p.propose(context, k, GREEDY, GEN).token_ids
@@ -45,13 +47,28 @@ def test_ngram_overlapping_and_longer_than_k() -> None:
     assert ngram_draft(long, 4) == [5, 6, 7, 8]  # the match continues past k: exactly k
 
 
+def test_ngram_drafts_as_many_as_the_match_is_long() -> None:
+    """match_scaled (the default): a match of L tokens drafts max(1, L // 2) of the k."""
+    # (7, 8) matched 2 tokens back: one draft token
+    assert ngram_draft([7, 8, 9, 10, 11, 3, 7, 8], 3, match_scaled=True) == [9]
+    # a 6-token copy (the 4-gram, then 2 more before it): 3 tokens
+    ctx = [5, 6, 1, 2, 3, 4, 40, 41, 42, 43, 0, 5, 6, 1, 2, 3, 4]
+    assert ngram_draft(ctx, 8, match_scaled=True) == [40, 41, 42]
+    assert ngram_draft(ctx, 8) == [40, 41, 42, 43, 0, 5, 6, 1]  # unscaled: k
+    # a long copied span drafts all k; k still caps it
+    span = list(range(100, 140))
+    assert ngram_draft(span + [0] + span[:30], 6, match_scaled=True) == span[30:36]
+    spawned = NgramProposer(ngram_max=3).spawn()
+    assert spawned.match_scaled and spawned.ngram_max == 3
+
+
 def test_ngram_incremental_index_matches_fresh_index() -> None:
     p = NgramProposer(ngram_max=3, ngram_min=1)
     seq = [int(x) for x in torch.randint(0, 5, (60,), generator=torch.Generator().manual_seed(0))]
     p.begin(seq[:5], 100)
     for end in range(5, 60):
         assert p.propose(seq[:end], 3, GREEDY, GEN).token_ids == ngram_draft(
-            seq[:end], 3, ngram_max=3, ngram_min=1
+            seq[:end], 3, ngram_max=3, ngram_min=1, match_scaled=True
         )
 
 

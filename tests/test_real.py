@@ -121,6 +121,27 @@ def test_cli_json(capsys) -> None:  # type: ignore[no-untyped-def]
     assert plain["stats"]["num_drafted"] == 0
 
 
+def test_generate_default_k_follows_the_method(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Without -k, ngram (whose drafts stop where its match does) drafts up to 5, every
+    other method 3; -k always wins."""
+    import speculant
+
+    real_model_path("smollm2-135m-instruct")
+    seen: list[tuple[str, object]] = []
+
+    class Spy(speculant.Engine):
+        def __init__(self, *args, **kw):  # type: ignore[no-untyped-def]
+            seen.append((kw["method"], kw["num_speculative_tokens"]))
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(speculant, "Engine", Spy)
+    base = ["generate", "x", "--target", "smollm2-135m-instruct", "--max-tokens", "2", "--json"]
+    for extra in ([], ["--method", "suffix"], ["-k", "2"], ["--method", "ngram", "-k", "auto"]):
+        assert main([*base, *extra]) == 0
+    capsys.readouterr()
+    assert seen == [("ngram", 5), ("suffix", 3), ("ngram", 2), ("ngram", "auto")]
+
+
 def test_cli_bad_input_is_one_clear_line(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["generate", "x", "--target", "nope-model", "--method", "none"]) == 2
     err = capsys.readouterr().err

@@ -21,6 +21,10 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_METHOD = "ngram"
 DEFAULT_K = 3
+# ngram drafts only as far as its match supports (see proposers/ngram.py), so a larger k
+# costs little where the output does not copy: ngram:5 beat ngram:3 on code and edit
+# prompts and matched it on chat and extraction (docs/performance.md).
+DEFAULT_K_BY_METHOD = {"ngram": 5}
 
 EPILOG = """\
 examples:
@@ -81,10 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         "-k",
         type=k_value,
-        default=DEFAULT_K,
+        default=None,
         metavar="K",
         help="tokens drafted per verification pass (γ), or 'auto' to choose "
-        "k per step from the live acceptance rate and measured costs",
+        "k per step from the live acceptance rate and measured costs (default: "
+        f"{DEFAULT_K_BY_METHOD['ngram']} for ngram, which drafts only as far as its match "
+        f"supports; {DEFAULT_K} otherwise)",
     )
     add_proposer_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128, help="most new tokens")
@@ -180,6 +186,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.method = "draft" if args.draft is not None else DEFAULT_METHOD
     if args.draft is None:
         args.draft = DEFAULT_DRAFT
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = DEFAULT_K_BY_METHOD.get(args.method, DEFAULT_K)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(
         temperature=args.temperature,
