@@ -197,7 +197,9 @@ def weight_buffer(nbytes: int, huge: bool | None = None) -> Tensor:
         ptr = lib.spec_alloc_weights(nbytes)
         if ptr:
             raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
-            weakref.finalize(raw, lib.spec_free_weights, ptr, nbytes)
+            # freed when the last tensor on it goes; not at interpreter exit, where a
+            # thread still running a pass could read it after the unmap (the OS frees it)
+            weakref.finalize(raw, lib.spec_free_weights, ptr, nbytes).atexit = False
             with warnings.catch_warnings():  # a writable buffer: no warning is due
                 warnings.simplefilter("ignore", UserWarning)
                 return torch.frombuffer(raw, dtype=torch.uint8)
