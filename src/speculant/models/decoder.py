@@ -120,6 +120,7 @@ class Transformer:
         )
         self._row_padding: Padding | None = (1, 1) if self.native_ops else None
         self._layer_table: native.LayerTable | None = None
+        self._unfusable = False  # decided: these layers cannot run in one call
         self.fuse_layers = True  # False: the layers one operation at a time (tests, A/B)
         n_pos = config.max_seq_len + 16
         self._rope_full = rope_tables(
@@ -271,45 +272,46 @@ class Transformer:
     def _fusable(self) -> bool:
         """Whether the layers run natively in one call (`_fused_layers`): GGUF weights on
         the native kernels, and pre-norm layers of the plain Llama / Qwen2 kind (no q/k
-        norms, no post-norms, SiLU, no sliding window)."""
-        if not (self.fuse_layers and self.native_ops) or self.config.activation != "silu":
+        norms, no post-norms, SiLU, no sliding window). Decided once per model."""
+        if not self.fuse_layers:
             return False
-        if self._layer_table is None:
-            c, layers = self.config, self.weights.layers
-            plain = all(
-                lw.q_norm is None
-                and lw.post_attn_norm is None
-                and lw.post_ffn_norm is None
-                and all(
-                    isinstance(getattr(lw, n), GGUFWeight)
-                    for n in ("wqkv", "wo", "w_gate_up", "w_down")
+        if self._layer_table is None and not self._unfusable:
+            self._layer_table = self._build_layer_table()
+            self._unfusable = self._layer_table is None
+        return self._layer_table is not None
+
+    def _build_layer_table(self) -> native.LayerTable | None:
+        c = self.config
+        if not self.native_ops or c.activation != "silu":
+            return None
+        if any(c.is_sliding(i) for i in range(c.n_layers)):
+            return None
+        parts: list[native.LayerParts] = []
+        for lw in self.weights.layers:
+            if lw.q_norm is not None or lw.post_attn_norm is not None:
+                return None
+            if lw.post_ffn_norm is not None:
+                return None
+            qkv, wo, gate_up, down = lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down
+            if not (
+                isinstance(qkv, GGUFWeight)
+                and isinstance(wo, GGUFWeight)
+                and isinstance(gate_up, GGUFWeight)
+                and isinstance(down, GGUFWeight)
+            ):
+                return None
+            parts.append(
+                (
+                    lw.attn_norm,
+                    lw.ffn_norm,
+                    qkv.matrix,
+                    lw.bqkv,
+                    wo.matrix,
+                    gate_up.matrix,
+                    down.matrix,
                 )
-                for lw in layers
-            ) and not any(c.is_sliding(i) for i in range(c.n_layers))
-            if not plain:
-                return False
-            self._layer_table = native.LayerTable(
-                [
-                    (
-                        lw.attn_norm,
-                        lw.ffn_norm,
-                        lw.wqkv.matrix,
-                        lw.bqkv,
-                        lw.wo.matrix,
-                        lw.w_gate_up.matrix,
-                        lw.w_down.matrix,
-                    )
-                    for lw in layers
-                    if isinstance(lw.wqkv, GGUFWeight)  # (all are: checked above)
-                    and isinstance(lw.wo, GGUFWeight)
-                    and isinstance(lw.w_gate_up, GGUFWeight)
-                    and isinstance(lw.w_down, GGUFWeight)
-                ],
-                (c.n_heads, c.n_kv_heads, c.head_dim),
-                c.norm_eps,
-                c.scale,
             )
-        return True
+        return native.LayerTable(parts, (c.n_heads, c.n_kv_heads, c.head_dim), c.norm_eps, c.scale)
 
     def _fused_layers(
         self,
@@ -325,10 +327,12 @@ class Transformer:
         for seg, (_, t, _) in zip(segments, spans, strict=True):
             seg.cache.check_rows(seg.start, t)
             parts.append((t, seg.cache.k, seg.cache.v, seg.start))
-        ranges = [sc.ranges for sc in ctx]
-        assert all(r is not None for r in ranges)
-        lo = torch.cat([r[0] for r in ranges if r is not None])
-        hi = torch.cat([r[2] for r in ranges if r is not None])
+        los, his = [], []
+        for sc in ctx:
+            assert sc.ranges is not None  # chains on the native path
+            los.append(sc.ranges[0])
+            his.append(sc.ranges[2])
+        lo, hi = torch.cat(los), torch.cat(his)
         cos = torch.cat([sc.rope_full[0] for sc in ctx])
         sin = torch.cat([sc.rope_full[1] for sc in ctx])
         return native.run_layers(self._layer_table, x, parts, cos, sin, lo, hi)

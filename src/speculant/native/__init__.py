@@ -188,12 +188,12 @@ HUGE_PAGE_BYTES = 2 << 20
 HUGE_PAGES = os.environ.get("SPECULANT_HUGEPAGES", "1") != "0"
 
 
-def weight_buffer(nbytes: int, huge: bool | None = None) -> Tensor:
+def weight_buffer(nbytes: int) -> Tensor:
     """An uninitialised uint8 tensor for packed weights: in 2 MiB-aligned memory marked
-    for transparent huge pages when it is large enough (and `huge`, default
-    HUGE_PAGES), else an ordinary tensor. Freed when the tensor is."""
+    for transparent huge pages when it is large enough (and HUGE_PAGES), else an
+    ordinary tensor. Freed when the tensor is."""
     lib = _need()
-    if (HUGE_PAGES if huge is None else huge) and nbytes >= HUGE_PAGE_BYTES:
+    if HUGE_PAGES and nbytes >= HUGE_PAGE_BYTES:
         ptr = lib.spec_alloc_weights(nbytes)
         if ptr:
             raw = (ctypes.c_uint8 * nbytes).from_address(ptr)

@@ -108,21 +108,12 @@ static int type_block(int type, int *values) {
 
 static inline int is_kquant(int type) { return type == T_Q4_K || type == T_Q6_K; }
 
-/* Q4_K 6-bit scale and min of sub-block j (0..7). */
-static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
 /* Q4_K's 8 scales and 8 mins (6 bits each) from its 12 packed bytes, one per byte of
- * *sc8 / *mn8 (sub-block j in byte j): the same values as q4k_scale_min, from three
- * 32-bit words (a = bytes 0-3: low scales and their top bits, b = bytes 4-7: low mins and
- * theirs, c = bytes 8-11: the high sub-blocks' low nibbles). */
+ * *sc8 / *mn8 (sub-block j in byte j). Sub-blocks 0-3 keep their scale in the low 6 bits
+ * of byte j and their min in byte j + 4; sub-blocks 4-7 take the low 4 bits of byte j + 4
+ * (scale) or its high 4 bits (min), and the top 2 bits from the spare top bits of bytes
+ * j - 4 (scale) and j (min). Worked on three 32-bit words: a = bytes 0-3, b = bytes 4-7,
+ * c = bytes 8-11. */
 static inline void q4k_scales8(const uint8_t *s, uint64_t *sc8, uint64_t *mn8) {
     uint32_t a, b, c;
     memcpy(&a, s, 4);
@@ -192,12 +183,8 @@ static inline void decode_q6k(const uint8_t *blk, uint8_t q[256], int8_t sc[16],
     }
 }
 
-/* Q4_K: codes 0..15 (value order), scales and mins per 32. */
-static inline void decode_q4k(const uint8_t *blk, uint8_t q[256], int sc[8], int mn[8], float *d,
-                              float *dmin) {
-    *d = h2f(rd16(blk));
-    *dmin = h2f(rd16(blk + 2));
-    for (int j = 0; j < 8; j++) q4k_scale_min(blk + 4, j, &sc[j], &mn[j]);
+/* Q4_K's 256 codes in value order. */
+static inline void q4k_codes(const uint8_t *blk, uint8_t q[256]) {
     const uint8_t *qs = blk + 16;
     for (int c = 0; c < 4; c++) {
         for (int l = 0; l < 32; l++) {
@@ -206,6 +193,21 @@ static inline void decode_q4k(const uint8_t *blk, uint8_t q[256], int sc[8], int
         }
     }
 }
+
+/* Q4_K: codes 0..15 (value order), scales and mins per 32. */
+static inline void decode_q4k(const uint8_t *blk, uint8_t q[256], int sc[8], int mn[8], float *d,
+                              float *dmin) {
+    *d = h2f(rd16(blk));
+    *dmin = h2f(rd16(blk + 2));
+    uint64_t sc8, mn8;
+    q4k_scales8(blk + 4, &sc8, &mn8);
+    for (int j = 0; j < 8; j++) {
+        sc[j] = (int)((sc8 >> (8 * j)) & 0xFF);
+        mn[j] = (int)((mn8 >> (8 * j)) & 0xFF);
+    }
+    q4k_codes(blk, q);
+}
+
 
 /* --------------------------------------------------------------- dequantizing rows */
 /* out[K] float32: the exact values the stored row stands for. */
@@ -304,11 +306,7 @@ static inline int legacy_offset(int type) {
 static void repack_kquant(int type, const uint8_t *blk, uint8_t *out) {
     uint8_t q[256];
     if (type == T_Q4_K) {
-        int sc[8], mn[8];
-        float d, dmin;
-        decode_q4k(blk, q, sc, mn, &d, &dmin);
-        (void)sc;
-        (void)mn;
+        q4k_codes(blk, q);
         memcpy(out, blk, 16); /* d, dmin and the 12 bytes of packed scales, as stored */
         for (int c = 0; c < 4; c++)
             for (int j = 0; j < 32; j++)
@@ -609,17 +607,12 @@ static void cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t 
                 const uint8_t *unit = row + u * p->unit_bytes;
                 uint8_t reg[256];
                 unpack_unit(type, unit, reg);
+                uint64_t sc8 = 0, mn8 = 0; /* Q4_K's scales and mins, a byte each */
+                if (type == T_Q4_K) q4k_scales8(unit + 4, &sc8, &mn8);
                 for (int64_t r = 0; r < R; r++) {
                     int32_t lo[8], hi[8];
                     if (type == T_Q4_K) {
                         const xk_t *xb = jb->xk + (r0 + r) * nu + u;
-                        uint64_t sc8, mn8;
-                        q4k_scales8(unit + 4, &sc8, &mn8);
-                        uint8_t sc[8], mn[8];
-                        for (int l = 0; l < 8; l++) {
-                            sc[l] = (uint8_t)(sc8 >> (8 * l));
-                            mn[l] = (uint8_t)(mn8 >> (8 * l));
-                        }
                         lane_dots(reg, xb->q32, lo, hi);
                         const float d = h2f(rd16(unit)), dmin = h2f(rd16(unit + 2));
                         for (int l = 0; l < 8; l++) {
@@ -627,7 +620,8 @@ static void cols_portable(const job_t *jb, const part_t *p, int64_t c0, int64_t 
                              * integers), as are the sums as floats: v is the one rounding
                              * of (lo + hi) sc d - bs32 mn dmin, and the vector paths form
                              * d sc and dmin mn once for all the rows of a tile */
-                            const float dsc = d * (float)sc[l], ndmn = -(dmin * (float)mn[l]);
+                            const float dsc = d * (float)(uint8_t)(sc8 >> (8 * l));
+                            const float ndmn = -(dmin * (float)(uint8_t)(mn8 >> (8 * l)));
                             float v = fmaf(xb->bs32f[l], ndmn, (float)(lo[l] + hi[l]) * dsc);
                             acc[r][l] = fmaf(v, xb->d, acc[r][l]);
                         }
@@ -1003,64 +997,72 @@ int64_t spec_packed_row_bytes(int type, int64_t K) {
     return row_units(type, K) * unit_bytes(type);
 }
 
+/* fn(ctx, r0, r1) over the rows [0, m) in chunks of `per` rows, shared out over the
+ * threads: for work done row by row (each row on its own, so the split changes no
+ * result). */
+typedef void (*rows_fn)(const void *ctx, int64_t r0, int64_t r1);
+typedef struct {
+    rows_fn fn;
+    const void *ctx;
+    int64_t m, per;
+} rows_job_t;
+
+static void rows_chunk(const void *ctx, int64_t chunk) {
+    const rows_job_t *rj = ctx;
+    const int64_t r0 = chunk * rj->per, r1 = r0 + rj->per < rj->m ? r0 + rj->per : rj->m;
+    rj->fn(rj->ctx, r0, r1);
+}
+
+static void run_rows(int64_t m, int64_t per, rows_fn fn, const void *ctx, int nthreads) {
+    rows_job_t rj = {fn, ctx, m, per};
+    job_t jb;
+    memset(&jb, 0, sizeof jb);
+    jb.task = rows_chunk;
+    jb.ctx = &rj;
+    jb.nchunks = (m + per - 1) / per;
+    pool_run(&jb, nthreads);
+}
+
 typedef struct {
     int type;
     const uint8_t *src;
-    int64_t K, n, rows_per_chunk;
+    int64_t K;
     uint8_t *dst;
 } repack_t;
 
-static void repack_chunk(const void *ctx, int64_t chunk) {
+static void repack_part(const void *ctx, int64_t r0, int64_t r1) {
     const repack_t *rp = ctx;
-    int64_t r0 = chunk * rp->rows_per_chunk, r1 = r0 + rp->rows_per_chunk;
-    repack_rows(rp->type, rp->src, rp->K, r0, r1 < rp->n ? r1 : rp->n, rp->dst);
+    repack_rows(rp->type, rp->src, rp->K, r0, r1, rp->dst);
 }
 
 /* The n stored rows of src into dst (spec_packed_row_bytes(type, K) bytes a row), in the
  * layout spec_linear reads. Returns 0, or -1 for an unsupported type or K. */
 int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int nthreads) {
     if (spec_packed_row_bytes(type, K) == 0) return -1;
-    repack_t rp = {type, (const uint8_t *)src, K, n, 64, (uint8_t *)dst};
-    job_t jb;
-    memset(&jb, 0, sizeof jb);
-    jb.task = repack_chunk;
-    jb.ctx = &rp;
-    jb.nchunks = (n + rp.rows_per_chunk - 1) / rp.rows_per_chunk;
-    pool_run(&jb, nthreads);
+    repack_t rp = {type, (const uint8_t *)src, K, (uint8_t *)dst};
+    run_rows(n, 64, repack_part, &rp, nthreads);
     return 0;
 }
 
 /* The activation rows of a pass, quantized for the K-quant parts (xk) and the legacy ones
  * (xg) where wanted: each row by itself (the same bits whoever quantizes it), so a pass
- * of many rows (a prefill) shares the rows out over the threads in chunks of 16. */
+ * of many rows (a prefill) shares the rows out over the threads. */
 typedef struct {
     const float *x;
-    int64_t K, m;
+    int64_t K;
     xk_t *xk;
     xg_t *xg;
     int path;
 } quant_t;
 
-#define QUANT_CHUNK 16
-static void quantize_chunk(const void *ctx, int64_t chunk) {
+#define ROW_CHUNK 16 /* rows a thread takes at a time of the row-by-row work of a pass */
+static void quantize_part(const void *ctx, int64_t r0, int64_t r1) {
     const quant_t *q = ctx;
     const int64_t nk = q->K / 256, ng = (q->K / 32 + 7) / 8;
-    const int64_t r1 = (chunk + 1) * QUANT_CHUNK < q->m ? (chunk + 1) * QUANT_CHUNK : q->m;
-    for (int64_t r = chunk * QUANT_CHUNK; r < r1; r++) {
+    for (int64_t r = r0; r < r1; r++) {
         if (q->xk) quantize_row_k(q->x + r * q->K, q->K, q->xk + r * nk, q->path);
         if (q->xg) quantize_row_g(q->x + r * q->K, q->K, q->xg + r * ng, q->path);
     }
-}
-
-static void quantize_rows_all(const float *x, int64_t K, int64_t m, xk_t *xk, xg_t *xg, int path,
-                              int nthreads) {
-    quant_t q = {x, K, m, xk, xg, path};
-    job_t jb;
-    memset(&jb, 0, sizeof jb);
-    jb.task = quantize_chunk;
-    jb.ctx = &q;
-    jb.nchunks = (m + QUANT_CHUNK - 1) / QUANT_CHUNK;
-    pool_run(&jb, nthreads);
 }
 
 /* y[r * ldy + c] for r < m and the parts' columns (concatenated in order); the parts'
@@ -1102,7 +1104,8 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
         free(xg);
         return -4;
     }
-    quantize_rows_all(x, K, m, xk, xg, jb.path, nthreads);
+    const quant_t q = {x, K, xk, xg, jb.path};
+    run_rows(m, ROW_CHUNK, quantize_part, &q, nthreads);
     jb.xk = xk;
     jb.xg = xg;
     /* Columns per chunk: enough work per chunk to amortize the hand-out, enough chunks
@@ -1540,27 +1543,21 @@ static void silu_mul_rows(const float *gu, int64_t r0, int64_t r1, int64_t F, fl
 
 typedef struct {
     const float *gu;
-    int64_t m, F;
+    int64_t F;
     float *out;
     int path;
 } silu_t;
 
-static void silu_chunk(const void *ctx, int64_t chunk) {
+static void silu_part(const void *ctx, int64_t r0, int64_t r1) {
     const silu_t *a = ctx;
-    const int64_t r1 = (chunk + 1) * QUANT_CHUNK < a->m ? (chunk + 1) * QUANT_CHUNK : a->m;
-    silu_mul_rows(a->gu, chunk * QUANT_CHUNK, r1, a->F, a->out, a->path);
+    silu_mul_rows(a->gu, r0, r1, a->F, a->out, a->path);
 }
 
-/* rows in chunks of 16 over the threads (each value depends on its inputs only) */
+/* rows in chunks over the threads (each value depends on its inputs only) */
 static int silu_mul_threads(const float *gu, int64_t m, int64_t F, float *out, int nthreads) {
     if (m < 0 || F < 0) return -1;
-    silu_t a = {gu, m, F, out, resolve_path()};
-    job_t jb;
-    memset(&jb, 0, sizeof jb);
-    jb.task = silu_chunk;
-    jb.ctx = &a;
-    jb.nchunks = (m + QUANT_CHUNK - 1) / QUANT_CHUNK;
-    pool_run(&jb, nthreads);
+    const silu_t a = {gu, F, out, resolve_path()};
+    run_rows(m, ROW_CHUNK, silu_part, &a, nthreads);
     return 0;
 }
 
