@@ -390,6 +390,19 @@ def test_tuning_knobs_change_no_result() -> None:
         for knob, value in before.items():
             native.tune(knob, value)
     assert native.tuning() == before
+    # attention's query rows in pairs or alone: the same bits (rows with and without
+    # keys of their own before and after the shared ones, and an odd last row)
+    keys, values = _cache(2, 90, 64, 11)
+    q = torch.randn(6, 5, 64, generator=torch.Generator().manual_seed(12))
+    lo, hi = torch.tensor([0, 0, 3, 0, 0]), torch.tensor([60, 61, 70, 72, 2])
+    got = {}
+    try:
+        for pairs in (0, 1):
+            native.tune("attention_pairs", pairs)
+            got[pairs] = native.attend(q, keys, values, lo, hi, 0.125)
+    finally:
+        native.tune("attention_pairs", before["attention_pairs"])
+    assert torch.equal(got[0], got[1])
     with pytest.raises(ValueError, match="max_chunk_cols=3: a value >= 4"):
         native.tune("max_chunk_cols", 3)
     with pytest.raises(ValueError, match="unknown knob"):

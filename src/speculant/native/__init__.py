@@ -160,6 +160,7 @@ TUNING_KNOBS = {
     "prefetch_rows": (1, 0),
     "chunks_per_thread": (2, 1),
     "max_chunk_cols": (3, 4),
+    "attention_pairs": (4, 0),
 }
 
 
@@ -167,7 +168,9 @@ def tune(knob: str, value: int) -> int:
     """Set a kernel tuning knob for benchmarks (results never depend on it); returns the
     old value. `prefetch_bytes`: how far past each weight unit a tile of at least
     `prefetch_rows` rows asks for weights (0: not at all); `chunks_per_thread` and
-    `max_chunk_cols`: how the columns are cut into the chunks that threads take."""
+    `max_chunk_cols`: how the columns are cut into the chunks that threads take;
+    `attention_pairs`: 1 (the default) lets attention take a pass's query rows two at a
+    time, sharing their key and value loads, 0 one at a time."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]
