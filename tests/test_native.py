@@ -123,6 +123,33 @@ def test_code_paths_agree_bitwise(ggml_type: int, m: int) -> None:
         assert torch.equal(y, outs["portable"]), p
 
 
+@pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_long_columns_in_spans_equal_whole_columns(ggml_type: int) -> None:
+    """Passes of a few rows over long K-quant columns go a span of blocks at a time over a
+    group of columns (their sums carried between spans): bitwise the whole-column result,
+    on every path, for spans that do and do not divide the column, and whatever rows
+    alone or in a pass (a row alone never takes spans)."""
+    n, k = 21, 29 * 256  # 29 blocks: spans of 4 leave 1; 21 columns: groups of 8 leave 5
+    raw = random_matrix(ggml_type, n, k, seed=13)
+    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(14))
+    alone = torch.cat([matrix.matmul(x[i : i + 1]) for i in range(8)])
+    before = native.tuning()
+    try:
+        for name in native.paths():
+            native.set_path(name)
+            for blocks, cols in ((0, 8), (4, 8), (3, 5), (29, 1), (64, 32)):
+                native.tune("span_blocks", blocks)
+                native.tune("span_cols", cols)
+                for m in (3, 5, 8):
+                    got = matrix.matmul(x[:m], threads=2)
+                    assert torch.equal(got, alone[:m]), (name, blocks, cols, m)
+    finally:
+        native.set_path("auto")
+        for knob, value in before.items():
+            native.tune(knob, value)
+
+
 def test_mixed_parts_concatenate_columns(path: str) -> None:
     """A fused projection with parts in different formats (Q5_0 queries beside Q8_0
     values in the 0.5B file) equals its parts run one by one."""

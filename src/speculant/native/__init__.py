@@ -161,6 +161,9 @@ TUNING_KNOBS = {
     "chunks_per_thread": (2, 1),
     "max_chunk_cols": (3, 4),
     "attention_pairs": (4, 0),
+    "span_blocks": (5, 0),
+    "span_cols": (6, 1),
+    "span_ahead": (7, 0),
 }
 
 
@@ -170,7 +173,10 @@ def tune(knob: str, value: int) -> int:
     `prefetch_rows` rows asks for weights (0: not at all); `chunks_per_thread` and
     `max_chunk_cols`: how the columns are cut into the chunks that threads take;
     `attention_pairs`: 1 (the default) lets attention take a pass's query rows two at a
-    time, sharing their key and value loads, 0 one at a time."""
+    time, sharing their key and value loads, 0 one at a time; `span_blocks` (0: off),
+    `span_cols` and `span_ahead`: how a pass of a few rows over long K-quant columns goes
+    a span of blocks at a time over a group of columns, and how many pieces ahead it asks
+    for weights."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]

@@ -41,7 +41,7 @@ TL_ATTR static inline __m256i TL_FN(load)(const void *p) { return _mm256_loadu_s
 /* ----------------------------------------------------------------------- K-quants */
 TL_ATTR __attribute__((always_inline)) static inline void
 TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, const int C,
-               const int q6) {
+               const int q6, const int64_t u0, const int64_t u1, float *carry) {
     const int64_t nu = jb->nk;
     const int64_t ub = p->unit_bytes;
     const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -51,10 +51,13 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     const xk_t *xrow[MAX_ROWS_TILE];
     for (int r = 0; r < R; r++) xrow[r] = jb->xk + (r0 + r) * nu;
     __m256 acc[MAX_ROWS_TILE][TL_COLS];
+    /* blocks [u0, u1) (a span, with carry: spans_run); a span after a column's first
+     * takes its sums from carry ([R][C][8]), one before its last leaves them there */
     for (int r = 0; r < R; r++)
-        for (int cc = 0; cc < C; cc++) acc[r][cc] = _mm256_setzero_ps();
-    const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_bytes : 0;
-    for (int64_t u = 0; u < nu; u++) {
+        for (int cc = 0; cc < C; cc++)
+            acc[r][cc] = u0 ? _mm256_loadu_ps(carry + 8 * (r * C + cc)) : _mm256_setzero_ps();
+    const int64_t pfd = !carry && R >= g_prefetch_rows ? g_prefetch_bytes : 0;
+    for (int64_t u = u0; u < u1; u++) {
         const uint8_t *blk[TL_COLS];
         for (int cc = 0; cc < C; cc++) {
             blk[cc] = wrow[cc] + u * ub;
@@ -140,6 +143,11 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
                 }
             }
         }
+    }
+    if (u1 < nu) {
+        for (int r = 0; r < R; r++)
+            for (int cc = 0; cc < C; cc++) _mm256_storeu_ps(carry + 8 * (r * C + cc), acc[r][cc]);
+        return;
     }
     for (int r = 0; r < R; r++)
         for (int cc = 0; cc < C; cc++) jb->y[(r0 + r) * jb->ldy + p->col0 + c + cc] = hsum8_avx(acc[r][cc]);
@@ -274,8 +282,10 @@ TL_FN(lg_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
 #define TL_Q41(j, p, r0, R, c, C) TL_FN(lg_tile)(j, p, r0, R, c, (C) < TL_COLS ? (C) : TL_COLS, T_Q4_1)
 #define TL_Q50(j, p, r0, R, c, C) TL_FN(lg_tile)(j, p, r0, R, c, (C) < TL_COLS ? (C) : TL_COLS, T_Q5_0)
 #define TL_Q80(j, p, r0, R, c, C) TL_FN(lg_tile)(j, p, r0, R, c, (C) < TL_COLS ? (C) : TL_COLS, T_Q8_0)
-#define TL_Q4K(j, p, r0, R, c, C) TL_FN(kq_tile)(j, p, r0, R, c, (C) < TL_COLS ? (C) : TL_COLS, 0)
-#define TL_Q6K(j, p, r0, R, c, C) TL_FN(kq_tile)(j, p, r0, R, c, (C) < TL_COLS ? (C) : TL_COLS, 1)
+#define TL_Q4K(j, p, r0, R, c, C)                                                               \
+    TL_FN(kq_tile)(j, p, r0, R, c, (C) < TL_COLS ? (C) : TL_COLS, 0, 0, (j)->nk, NULL)
+#define TL_Q6K(j, p, r0, R, c, C)                                                               \
+    TL_FN(kq_tile)(j, p, r0, R, c, (C) < TL_COLS ? (C) : TL_COLS, 1, 0, (j)->nk, NULL)
 TL_KIND(q40, TL_Q40)
 TL_KIND(q41, TL_Q41)
 TL_KIND(q50, TL_Q50)
@@ -283,11 +293,31 @@ TL_KIND(q80, TL_Q80)
 TL_KIND(q4k, TL_Q4K)
 TL_KIND(q6k, TL_Q6K)
 
+/* one-column K-quant tiles over a span of blocks (spans_run) */
+#define TL_SPAN(kind, q6, R)                                                                    \
+    TL_ATTR static void TL_FN(span_##kind##_##R)(const job_t *j, const part_t *p, int64_t r0,   \
+                                                  int64_t c, int64_t u0, int64_t u1, float *cy) { \
+        TL_FN(kq_tile)(j, p, r0, R, c, 1, q6, u0, u1, cy);                                      \
+    }
+#define TL_SPANS(kind, q6)                                                                      \
+    TL_SPAN(kind, q6, 1) TL_SPAN(kind, q6, 2) TL_SPAN(kind, q6, 3) TL_SPAN(kind, q6, 4)         \
+    TL_SPAN(kind, q6, 5) TL_SPAN(kind, q6, 6) TL_SPAN(kind, q6, 7) TL_SPAN(kind, q6, 8)
+TL_SPANS(q4k, 0)
+TL_SPANS(q6k, 1)
+#define TL_SPAN_ROW(kind)                                                                       \
+    {TL_FN(span_##kind##_1), TL_FN(span_##kind##_2), TL_FN(span_##kind##_3),                    \
+     TL_FN(span_##kind##_4), TL_FN(span_##kind##_5), TL_FN(span_##kind##_6),                    \
+     TL_FN(span_##kind##_7), TL_FN(span_##kind##_8)}
+
 static const tile_set TL_FN(tiles) = {
     TL_COLS,
     TL_ROWS,
     {TL_ROW(q40), TL_ROW(q41), TL_ROW(q50), TL_ROW(q80), TL_ROW(q4k), TL_ROW(q6k)},
+    {TL_SPAN_ROW(q4k), TL_SPAN_ROW(q6k)},
 };
+#undef TL_SPAN
+#undef TL_SPANS
+#undef TL_SPAN_ROW
 
 #undef TL_ONE
 #undef TL_KIND
