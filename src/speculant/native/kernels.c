@@ -402,6 +402,7 @@ typedef struct {
     float bs32f[8];    /* sums of the codes of values 32i .. 32i + 31 (exact as floats) */
     int16_t bsums[16]; /* sums of the codes of values 16i .. 16i + 15 */
 } __attribute__((aligned(64))) xk_t;
+#define XK_TILE_BYTES 320 /* of an xk_t, the bytes a tile reads: one permutation and the scalars */
 
 /* Legacy activations: a group of 8 blocks of 32, codes in the packed register order. */
 typedef struct {
@@ -786,8 +787,8 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
      * a Zen 4 EPYC: 10.0 against 9.3 cycles per row and Q4_K block.) */
     const int one_col = jb->m <= ts->rows;
     const int cols = one_col ? 1 : ts->cols;
-    if (one_col && is_kquant(p->type) && g_span_blocks && jb->m * jb->nk * 320 > SPAN_ACT_BYTES) {
-        spans_run(jb, p, c0, c1, ts); /* 320: the bytes of a block's codes and scalars a tile reads */
+    if (one_col && is_kquant(p->type) && g_span_blocks && jb->m * jb->nk * XK_TILE_BYTES > SPAN_ACT_BYTES) {
+        spans_run(jb, p, c0, c1, ts);
         return;
     }
     const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
@@ -1316,6 +1317,13 @@ AVX2 static float softmax_exp_avx2(float *s, int64_t n, float mx) {
     return hsum8(lanes);
 }
 
+/* s[j] = exp(s[j] - max s) for j < n, in place; returns their sum */
+AVX2 static float softmax_avx2(float *s, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    return softmax_exp_avx2(s, n, mx);
+}
+
 #endif
 
 typedef struct {
@@ -1507,12 +1515,7 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
             for (int64_t x = 0; x < H; x++) scores_one(q[x], keys, j0, j1, hd, a->scale, sc + x * n, lo);
         }
-        for (int64_t x = 0; x < H; x++) {
-            float *s = sc + x * n;
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-            sum[x] = softmax_exp_avx2(s, n, mx);
-        }
+        for (int64_t x = 0; x < H; x++) sum[x] = softmax_avx2(sc + x * n, n);
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
             for (int64_t x = 0; x < H; x++) values_one(o[x], sc + x * n, lo, vals, j0, j1, hd);
@@ -1575,12 +1578,8 @@ AVX2 static void attend_pair(const void *ctx, int64_t chunk) {
             for (int64_t x = 0; x < H; x++) scores_two(q0[x], q1[x], keys, j0, j1, hd, a->scale, s0[x], lo0, s1[x], lo1);
         }
         for (int64_t x = 0; x < H; x++) {
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < n0; j++) mx = s0[x][j] > mx ? s0[x][j] : mx;
-            sum0[x] = softmax_exp_avx2(s0[x], n0, mx);
-            mx = -INFINITY;
-            for (int64_t j = 0; j < n1; j++) mx = s1[x][j] > mx ? s1[x][j] : mx;
-            sum1[x] = softmax_exp_avx2(s1[x], n1, mx);
+            sum0[x] = softmax_avx2(s0[x], n0);
+            sum1[x] = softmax_avx2(s1[x], n1);
         }
         /* values in ascending key order for each row: its own keys before the shared ones,
          * the shared ones (a block at a time, both rows), its own keys after */
