@@ -150,6 +150,32 @@ def test_long_columns_in_spans_equal_whole_columns(ggml_type: int) -> None:
             native.tune(knob, value)
 
 
+@pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K, native.Q8_0])
+def test_row_tiles_outside_columns_equal_cols_order(ggml_type: int) -> None:
+    """Passes of many rows (a prefill) take their row tiles outside the column loop, long
+    K-quant columns a span at a time: bitwise the result of the rows alone, on every path,
+    for spans that do and do not divide the column, and for the order it replaces."""
+    n, k = 71, 7 * 256  # 71 columns: groups of 64 leave 7; 7 blocks: spans of 2 leave 1
+    raw = random_matrix(ggml_type, n, k, seed=15)
+    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(16))
+    alone = torch.cat([matrix.matmul(x[i : i + 1]) for i in range(37)])
+    before = native.tuning()
+    try:
+        for name in native.paths():
+            native.set_path(name)
+            # off; spans of 1 and 2 blocks; 3 blocks; whole columns
+            for budget in (0, 320 * 4, 320 * 8, 320 * 12, 1 << 20):
+                native.tune("rows_outer", budget)
+                for m in (16, 23, 37):
+                    got = matrix.matmul(x[:m], threads=2)
+                    assert torch.equal(got, alone[:m]), (name, budget, m)
+    finally:
+        native.set_path("auto")
+        for knob, value in before.items():
+            native.tune(knob, value)
+
+
 def test_mixed_parts_concatenate_columns(path: str) -> None:
     """A fused projection with parts in different formats (Q5_0 queries beside Q8_0
     values in the 0.5B file) equals its parts run one by one."""

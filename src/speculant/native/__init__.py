@@ -164,6 +164,7 @@ TUNING_KNOBS = {
     "span_blocks": (5, 0),
     "span_cols": (6, 1),
     "span_ahead": (7, 0),
+    "rows_outer": (8, 0),
 }
 
 
@@ -176,7 +177,9 @@ def tune(knob: str, value: int) -> int:
     time, sharing their key and value loads, 0 one at a time; `span_blocks` (0: off),
     `span_cols` and `span_ahead`: how a pass of a few rows over long K-quant columns goes
     a span of blocks at a time over a group of columns, and how many pieces ahead it asks
-    for weights."""
+    for weights; `rows_outer` (0: off): a pass of many rows takes its row tiles outside
+    the column loop, columns a span at a time where a tile's activations pass this many
+    bytes."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]

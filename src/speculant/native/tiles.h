@@ -304,6 +304,14 @@ TL_KIND(q6k, TL_Q6K)
     TL_SPAN(kind, q6, 5) TL_SPAN(kind, q6, 6) TL_SPAN(kind, q6, 7) TL_SPAN(kind, q6, 8)
 TL_SPANS(q4k, 0)
 TL_SPANS(q6k, 1)
+/* tiles of up to 2 columns over a span (rows_outer_run) */
+#define TL_SPAN2(kind, q6, R)                                                                   \
+    TL_ATTR static void TL_FN(span2_##kind##_##R)(const job_t *j, const part_t *p, int64_t r0,  \
+                                                   int64_t c, int64_t u0, int64_t u1, float *cy) { \
+        TL_FN(kq_tile)(j, p, r0, R, c, TL_COLS < 2 ? TL_COLS : 2, q6, u0, u1, cy);              \
+    }
+TL_SPAN2(q4k, 0, 1) TL_SPAN2(q4k, 0, 2) TL_SPAN2(q4k, 0, 3) TL_SPAN2(q4k, 0, 4)
+TL_SPAN2(q6k, 1, 1) TL_SPAN2(q6k, 1, 2) TL_SPAN2(q6k, 1, 3) TL_SPAN2(q6k, 1, 4)
 #define TL_SPAN_ROW(kind)                                                                       \
     {TL_FN(span_##kind##_1), TL_FN(span_##kind##_2), TL_FN(span_##kind##_3),                    \
      TL_FN(span_##kind##_4), TL_FN(span_##kind##_5), TL_FN(span_##kind##_6),                    \
@@ -314,10 +322,13 @@ static const tile_set TL_FN(tiles) = {
     TL_ROWS,
     {TL_ROW(q40), TL_ROW(q41), TL_ROW(q50), TL_ROW(q80), TL_ROW(q4k), TL_ROW(q6k)},
     {TL_SPAN_ROW(q4k), TL_SPAN_ROW(q6k)},
+    {{TL_FN(span2_q4k_1), TL_FN(span2_q4k_2), TL_FN(span2_q4k_3), TL_FN(span2_q4k_4)},
+     {TL_FN(span2_q6k_1), TL_FN(span2_q6k_2), TL_FN(span2_q6k_3), TL_FN(span2_q6k_4)}},
 };
 #undef TL_SPAN
 #undef TL_SPANS
 #undef TL_SPAN_ROW
+#undef TL_SPAN2
 
 #undef TL_ONE
 #undef TL_KIND
