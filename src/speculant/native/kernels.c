@@ -786,7 +786,7 @@ static void spans_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, 
  * adds the same terms in the same order as in cols_run: the same bits. Measured on a
  * Zen 4 EPYC, interleaved with cols_run's order (every matrix of the 1.5B but the LM
  * head): 24 rows 0.86x, 32 rows 0.90x, 64 rows 0.90-0.91x, 256 rows 0.95x (its down
- * projections 0.85-0.86x with spans of 6-9 blocks); a 1,170-token prefill 0.93-0.94x.
+ * projections 0.85-0.86x with spans of 6-9 blocks); a 1,170-token prefill 0.93-0.95x.
  * Up to 16 rows it gains nothing (9 rows: 1.10x slower), so passes of fewer rows keep
  * cols_run's order. */
 #define RO_COLS 64     /* columns whose sums a span carries at once */
