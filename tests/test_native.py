@@ -152,9 +152,10 @@ def test_long_columns_in_spans_equal_whole_columns(ggml_type: int) -> None:
 
 @pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K, native.Q8_0])
 def test_row_tiles_outside_columns_equal_cols_order(ggml_type: int) -> None:
-    """Passes of many rows (a prefill) take their row tiles outside the column loop, long
-    K-quant columns a span at a time: bitwise the result of the rows alone, on every path,
-    for spans that do and do not divide the column, and for the order it replaces."""
+    """Passes of many rows (a prefill) over K-quants take their row tiles outside the
+    column loop, long columns a span at a time: bitwise the result of the rows alone, on
+    every path, for spans that do and do not divide the column, and for the order it
+    replaces (which Q8_0, a legacy format, keeps)."""
     n, k = 71, 7 * 256  # 71 columns: groups of 64 leave 7; 7 blocks: spans of 2 leave 1
     raw = random_matrix(ggml_type, n, k, seed=15)
     matrix = native.NativeMatrix([(ggml_type, raw, n)], k)

@@ -788,14 +788,15 @@ static void spans_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, 
  * head): 24 rows 0.86x, 32 rows 0.90x, 64 rows 0.90-0.91x, 256 rows 0.95x (its down
  * projections 0.85-0.86x with spans of 6-9 blocks); a 1,170-token prefill 0.93-0.95x.
  * Up to 16 rows it gains nothing (9 rows: 1.10x slower), so passes of fewer rows keep
- * cols_run's order. */
+ * cols_run's order; the legacy formats' tiles (the 0.5B's Q5_0 / Q8_0 matrices) measured
+ * 1.04-1.09x slower this way at 16-256 rows, so they keep it too (K-quants only). */
 #define RO_COLS 64     /* columns whose sums a span carries at once */
 #define RO_MIN_ROWS 16 /* the fewest rows that take rows_outer_run */
 static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts,
                            const int kind, const int cols) {
     const int64_t nk = jb->nk, tr = MANY_ROWS_TILE, ntiles = (jb->m + tr - 1) / tr;
     int64_t S = nk;
-    if (is_kquant(p->type) && nk * XK_TILE_BYTES * tr > g_rows_outer) {
+    if (nk * XK_TILE_BYTES * tr > g_rows_outer) {
         S = g_rows_outer / (XK_TILE_BYTES * tr);
         if (S < 1) S = 1;
     }
@@ -839,7 +840,7 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
         return;
     }
     const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
-    if (!one_col && g_rows_outer && jb->m >= RO_MIN_ROWS) {
+    if (!one_col && g_rows_outer && jb->m >= RO_MIN_ROWS && is_kquant(p->type)) {
         rows_outer_run(jb, p, c0, c1, ts, kind, cols);
         return;
     }
