@@ -1371,8 +1371,19 @@ AVX2 static float softmax_exp_avx2(float *s, int64_t n, float mx) {
 
 /* s[j] = exp(s[j] - max s) for j < n, in place; returns their sum */
 AVX2 static float softmax_avx2(float *s, int64_t n) {
+    /* the largest score, 8 lanes x 4 at a time: max is exact and max_ps(x, m) keeps m
+     * where x is NaN, as the portable s > mx ? s : mx does; +0 / -0 ties may pick either
+     * sign, which no exp(s - mx) below can tell apart */
+    __m256 m[4];
+    for (int e = 0; e < 4; e++) m[e] = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32)
+        for (int e = 0; e < 4; e++) m[e] = _mm256_max_ps(_mm256_loadu_ps(s + j + 8 * e), m[e]);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    for (int e = 0; e < 8; e++) mx = lanes[e] > mx ? lanes[e] : mx;
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
     return softmax_exp_avx2(s, n, mx);
 }
 
@@ -1423,6 +1434,18 @@ static void attend_one(const void *ctx, int64_t chunk) {
 #define GROUP_HEADS 8 /* query heads of a group taken together */
 #define KEY_BLOCK 32  /* keys (and values) taken together, within L1 */
 
+/* hsum8_avx of a0, a1, a2, a3 as one vector (each the same tree of adds: bitwise) */
+AVX2 static inline __m128 hsum8x4_avx(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    /* [s0 | s2], [s1 | s3] with s = low half + high half */
+    const __m256 p = _mm256_add_ps(_mm256_permute2f128_ps(a0, a2, 0x20), _mm256_permute2f128_ps(a0, a2, 0x31));
+    const __m256 q = _mm256_add_ps(_mm256_permute2f128_ps(a1, a3, 0x20), _mm256_permute2f128_ps(a1, a3, 0x31));
+    /* [t0 | t2] interleaved with [t1 | t3]: t = (s0 + s2, s1 + s3) */
+    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(p, q, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
+    return _mm_add_ps(_mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* Scores and weighted values over keys j0 .. j1 - 1 (absolute; the score of key j at
  * s[j - sb]) for one query, or for two queries that share the key loads. */
 AVX2 static void scores_one(const float *q, const float *keys, int64_t j0, int64_t j1, int64_t hd,
@@ -1439,10 +1462,7 @@ AVX2 static void scores_one(const float *q, const float *keys, int64_t j0, int64
             a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i), a2);
             a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i), a3);
         }
-        s[j - sb] = hsum8_avx(a0) * scale;
-        s[j + 1 - sb] = hsum8_avx(a1) * scale;
-        s[j + 2 - sb] = hsum8_avx(a2) * scale;
-        s[j + 3 - sb] = hsum8_avx(a3) * scale;
+        _mm_storeu_ps(s + j - sb, _mm_mul_ps(hsum8x4_avx(a0, a1, a2, a3), _mm_set1_ps(scale)));
     }
     for (; j < j1; j++) s[j - sb] = dot8_avx2(q, keys + j * hd, hd) * scale;
 }
@@ -1463,10 +1483,8 @@ AVX2 static void scores_two(const float *q0, const float *q1, const float *keys,
                 b[e] = _mm256_fmadd_ps(qb, kv, b[e]);
             }
         }
-        for (int e = 0; e < 4; e++) {
-            s0[j + e - b0] = hsum8_avx(a[e]) * scale;
-            s1[j + e - b1] = hsum8_avx(b[e]) * scale;
-        }
+        _mm_storeu_ps(s0 + j - b0, _mm_mul_ps(hsum8x4_avx(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
+        _mm_storeu_ps(s1 + j - b1, _mm_mul_ps(hsum8x4_avx(b[0], b[1], b[2], b[3]), _mm_set1_ps(scale)));
     }
     for (; j < j1; j++) {
         s0[j - b0] = dot8_avx2(q0, keys + j * hd, hd) * scale;
