@@ -125,7 +125,8 @@ def _set_native(path: str, threads: int | None, defaults: dict[str, int]) -> Non
 def measure_models(
     models: Sequence[Model], role: str, cfg: PassCostConfig, say: Callable[[str], None] = print
 ) -> list[dict[str, Any]]:
-    """One row per (model, kernel path, threads), all taking turns within every repeat:
+    """One row per (model, kernel path, threads); every (width, row) takes its turn within
+    every repeat:
     pass ms by width and plain tok/s. `models` are one model in several weight formats
     (or any models sharing a tokenizer's prompt)."""
     ids_of: list[list[int]] = []
@@ -171,20 +172,25 @@ def measure_models(
 
     rows: dict[Variant, dict[str, Any]] = {v: row(v) for v in variants}
     try:
+        # every (width, variant) takes its turn within each repeat, so the ratios between
+        # widths (the targets) do not move with the machine's drift between widths
+        times: dict[tuple[int, Variant], list[float]] = {}
         for w in cfg.widths:
-            times: dict[Variant, list[float]] = {v: [] for v in variants}
             for v in variants:
                 use(v)
                 models[v[0]].forward(ids_of[v[0]][:w], caches[v[0]], cfg.context)  # warm
-            for _ in range(cfg.reps):
+                times[w, v] = []
+        for _ in range(cfg.reps):
+            for w in cfg.widths:
                 for v in variants:
                     use(v)
                     model, tokens, cache = models[v[0]], ids_of[v[0]][:w], caches[v[0]]
                     t0 = time.perf_counter()
                     model.forward(tokens, cache, cfg.context)
-                    times[v].append(time.perf_counter() - t0)
+                    times[w, v].append(time.perf_counter() - t0)
+        for w in cfg.widths:
             for v in variants:
-                rows[v]["pass_ms"][w] = 1e3 * statistics.median(times[v])
+                rows[v]["pass_ms"][w] = 1e3 * statistics.median(times[w, v])
             say(
                 f"{role} {models[0].name}: w={w} "
                 + ", ".join(f"{label(v)}{rows[v]['pass_ms'][w]:.1f} ms" for v in variants)
