@@ -123,31 +123,41 @@ def test_code_paths_agree_bitwise(ggml_type: int, m: int) -> None:
         assert torch.equal(y, outs["portable"]), p
 
 
+def _equal_rows_alone_under_knobs(
+    ggml_type: int, n: int, k: int, seed: int, settings: list[dict[str, int]], ms: tuple[int, ...]
+) -> None:
+    """On every path and under every knob setting, a pass of each of `ms` rows over a
+    random [n, k] matrix gives bitwise what its rows give alone."""
+    raw = random_matrix(ggml_type, n, k, seed=seed)
+    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
+    x = torch.randn(max(ms), k, generator=torch.Generator().manual_seed(seed + 1))
+    alone = torch.cat([matrix.matmul(x[i : i + 1]) for i in range(max(ms))])
+    before = native.tuning()
+    try:
+        for name in native.paths():
+            native.set_path(name)
+            for knobs in settings:
+                for knob, value in knobs.items():
+                    native.tune(knob, value)
+                for m in ms:
+                    got = matrix.matmul(x[:m], threads=2)
+                    assert torch.equal(got, alone[:m]), (name, knobs, m)
+    finally:
+        native.set_path("auto")
+        for knob, value in before.items():
+            native.tune(knob, value)
+
+
 @pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K], ids=["Q4_K", "Q6_K"])
 def test_long_columns_in_spans_equal_whole_columns(ggml_type: int) -> None:
     """Passes of a few rows over long K-quant columns go a span of blocks at a time over a
     group of columns (their sums carried between spans): bitwise the whole-column result,
     on every path, for spans that do and do not divide the column, and whatever rows
     alone or in a pass (a row alone never takes spans)."""
-    n, k = 21, 29 * 256  # 29 blocks: spans of 4 leave 1; 21 columns: groups of 8 leave 5
-    raw = random_matrix(ggml_type, n, k, seed=13)
-    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
-    x = torch.randn(8, k, generator=torch.Generator().manual_seed(14))
-    alone = torch.cat([matrix.matmul(x[i : i + 1]) for i in range(8)])
-    before = native.tuning()
-    try:
-        for name in native.paths():
-            native.set_path(name)
-            for blocks, cols in ((0, 8), (4, 8), (3, 5), (29, 1), (64, 32)):
-                native.tune("span_blocks", blocks)
-                native.tune("span_cols", cols)
-                for m in (3, 5, 8):
-                    got = matrix.matmul(x[:m], threads=2)
-                    assert torch.equal(got, alone[:m]), (name, blocks, cols, m)
-    finally:
-        native.set_path("auto")
-        for knob, value in before.items():
-            native.tune(knob, value)
+    # 29 blocks: spans of 4 leave 1; 21 columns: groups of 8 leave 5
+    spans = ((0, 8), (4, 8), (3, 5), (29, 1), (64, 32))
+    settings = [{"span_blocks": b, "span_cols": c} for b, c in spans]
+    _equal_rows_alone_under_knobs(ggml_type, 21, 29 * 256, 13, settings, (3, 5, 8))
 
 
 @pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K, native.Q8_0])
@@ -156,25 +166,11 @@ def test_row_tiles_outside_columns_equal_cols_order(ggml_type: int) -> None:
     column loop, long columns a span at a time: bitwise the result of the rows alone, on
     every path, for spans that do and do not divide the column, and for the order it
     replaces (which Q8_0, a legacy format, keeps)."""
-    n, k = 71, 7 * 256  # 71 columns: groups of 64 leave 7; 7 blocks: spans of 2 leave 1
-    raw = random_matrix(ggml_type, n, k, seed=15)
-    matrix = native.NativeMatrix([(ggml_type, raw, n)], k)
-    x = torch.randn(37, k, generator=torch.Generator().manual_seed(16))
-    alone = torch.cat([matrix.matmul(x[i : i + 1]) for i in range(37)])
-    before = native.tuning()
-    try:
-        for name in native.paths():
-            native.set_path(name)
-            # off; spans of 1 and 2 blocks; 3 blocks; whole columns
-            for budget in (0, 320 * 4, 320 * 8, 320 * 12, 1 << 20):
-                native.tune("rows_outer", budget)
-                for m in (16, 23, 37):
-                    got = matrix.matmul(x[:m], threads=2)
-                    assert torch.equal(got, alone[:m]), (name, budget, m)
-    finally:
-        native.set_path("auto")
-        for knob, value in before.items():
-            native.tune(knob, value)
+    # 71 columns: groups of 64 leave 7; 7 blocks: off, spans of 1, 2 (leaving 1) and 3
+    # blocks, whole columns
+    budgets = (0, 320 * 4, 320 * 8, 320 * 12, 1 << 20)
+    settings = [{"rows_outer": b} for b in budgets]
+    _equal_rows_alone_under_knobs(ggml_type, 71, 7 * 256, 15, settings, (16, 23, 37))
 
 
 def test_mixed_parts_concatenate_columns(path: str) -> None:
