@@ -156,6 +156,77 @@ def test_llama_cli_peers_skipped_without_the_tools(
     assert all("SPECULANT_LLAMA_CPP_BIN" in line for line in res.skipped)
 
 
+class _Recorder:
+    """A progress sink that keeps what it was told, in order."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def start(self, total: int) -> None:
+        self.total = total
+
+    def advance(self, text: str) -> None:
+        self.lines.append(text)
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_out_of_process_peers_run_on_each_prompt_after_ours(
+    pair: tuple[Model, Model], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's tools (processes of their own) take their turn on each prompt right
+    after our methods, not after all of them, so drift over the run moves both sides of
+    a ratio alike; a peer that fails drops out, its rows with it, and the rest go on."""
+    from speculant.bench import runner
+    from speculant.bench.peers import Peer, PeerOutput
+
+    class FakeTool:
+        def __init__(self, fail_on: int | None) -> None:
+            self.calls = 0
+            self.fail_on = fail_on
+
+        def generate(self, ids: list[int], s: Any) -> PeerOutput:
+            self.calls += 1
+            if self.calls == self.fail_on:
+                raise RuntimeError("tool crashed")
+            return PeerOutput([1, 2, 3], 0.5, 0.1)
+
+    tools = {"llama.cpp-cli": FakeTool(None), "llama.cpp-speculative:3": FakeTool(3)}
+
+    def fake_open(spec: Any, target: Any, draft: Any, context: int, threads: int) -> Peer:
+        assert context > 0
+        return Peer(spec, "llama.cpp", "fake", "a fake tool", _impl=tools[spec.label])
+
+    monkeypatch.setattr(runner, "open_peer", fake_open)
+    target, _ = pair
+    sink = _Recorder()
+    config = BenchConfig(methods=["ngram:2"], peers=["llama-cli"], ks=[3], max_tokens=4)
+    res = run_bench(target, None, config, workloads=[TINY_WORKLOAD], progress=sink)
+    runs = [line.split(":")[0] for line in sink.lines if "tok/s" in line]
+    assert runs == [
+        "tiny copy none",
+        "tiny copy ngram",
+        "tiny copy llama.cpp-cli",
+        "tiny copy llama.cpp-speculative",  # its warm-up is call 1, this prompt call 2
+        "tiny talk none",  # first turn
+        "tiny talk ngram",
+        "tiny talk none",  # second turn
+        "tiny talk ngram",
+        "tiny talk llama.cpp-cli",
+        "tiny talk llama.cpp-cli",
+    ]
+    # every step advanced once (the failed peer's two turns of "talk" as failed), and
+    # the failure said once
+    assert len(sink.lines) == sink.total + 1
+    assert sink.lines.count("peer llama.cpp-speculative:3: failed") == 2
+    assert [line for line in res.skipped] == [
+        "peer llama.cpp-speculative:3 failed: RuntimeError: tool crashed"
+    ]
+    methods = {r["method"] for r in res.rows}
+    assert "llama.cpp-cli" in methods and "llama.cpp-speculative:3" not in methods
+
+
 def test_llama_cli_timings_are_read() -> None:
     completion = (
         "common_perf_print: prompt eval time =      36.12 ms /     5 tokens (    7.22 ms per"

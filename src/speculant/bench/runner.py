@@ -1,5 +1,9 @@
-"""The benchmark runner: every method, then every peer, on the same prompt ids in one
-process, against the plain baseline measured in the same run.
+"""The benchmark runner: every method and every peer on the same prompt ids, against the
+plain baseline measured in the same run. Peers that run as processes of their own
+(llama.cpp's tools) take their turn on each prompt right after our methods, so that the
+machine's drift over a run moves both sides of a ratio alike; peers that load a model into
+this process (Hugging Face, llama-cpp-python) run after all of ours, once our engines are
+unloaded.
 
     from speculant.bench import BenchConfig, run_bench
     result = run_bench(target, draft, BenchConfig(workloads=["code"], limit=2))
@@ -27,6 +31,7 @@ from speculant.bench.measure import (
     record_steps,
 )
 from speculant.bench.peers import (
+    LLAMA_CLI_PEERS,
     Peer,
     PeerSampling,
     PeerUnavailable,
@@ -145,10 +150,65 @@ def run_bench(
         methods[spec.label] = _our_method(spec, engine, target, draft, target_bytes, setup, cfg)
 
     samples: list[Sample] = []
+    skipped: list[str] = []
+    eos = tuple(sorted(target.tokenizer.eos_token_ids)) if target.tokenizer else ()
+    sampling = PeerSampling(
+        cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, eos, cfg.ignore_eos
+    )
+    inline_specs = [p for p in peer_specs if p.name in LLAMA_CLI_PEERS]
+    later_specs = [p for p in peer_specs if p.name not in LLAMA_CLI_PEERS]
+    dead: set[str] = set()  # inline peers that could not open or failed
+
+    def run_inline(key: tuple[str, str], turns: list[list[int]], base: list[list[int]]) -> None:
+        """Each out-of-process peer on one prompt's turns, right after our methods."""
+        context = max(len(i) for i in turns) + cfg.max_tokens + 64
+        for pspec in inline_specs:
+            if pspec.label in dead:
+                for _ in turns:
+                    sink.advance(f"peer {pspec.label}: skipped")
+                continue
+            try:
+                t0 = time.perf_counter()
+                peer = open_peer(pspec, target, draft, context, torch.get_num_threads())
+                setup = time.perf_counter() - t0
+            except PeerUnavailable as exc:
+                dead.add(pspec.label)
+                skipped.append(f"peer {pspec.label} skipped: {exc}")
+                sink.message(skipped[-1])
+                for _ in turns:
+                    sink.advance(f"peer {pspec.label}: skipped")
+                continue
+            done = 0
+            try:
+                if pspec.label not in methods:
+                    methods[pspec.label] = _peer_method(peer, setup)
+                    if cfg.warmup:
+                        peer.generate(warm_ids, PeerSampling(4, eos=eos))
+                sample = Sample(key[0], key[1], pspec.label, "peer")
+                for ids in turns:
+                    with measured(energy, memory) as usage:
+                        out = peer.generate(ids, sampling)
+                    sample.add_usage(usage, out.seconds)
+                    add_peer_output(sample, len(ids), out)
+                    done += 1
+                    sink.advance(f"{key[0]} {key[1]} {pspec.label}: {out_tok_s(out):.1f} tok/s")
+                sample.identical = sample.token_ids == base
+                samples.append(sample)
+            except Exception as exc:  # another engine's failure must not end the benchmark
+                dead.add(pspec.label)
+                samples[:] = [s for s in samples if s.method != pspec.label]
+                methods.pop(pspec.label, None)
+                skipped.append(f"peer {pspec.label} failed: {type(exc).__name__}: {exc}")
+                sink.message(skipped[-1])
+                for _ in range(len(turns) - done):
+                    sink.advance(f"peer {pspec.label}: failed")
+            finally:
+                peer.close()
+
     prompt_ids: dict[tuple[str, str], list[list[int]]] = {}
     baseline_tokens: dict[tuple[str, str], list[list[int]]] = {}
-    skipped: list[str] = []
     limit = min(e.max_seq_len for e, _ in engines.values())
+    done_prompts: dict[str, int] = {}
     for wl in wls:
         for prompt in wl.prompts:
             key = (wl.name, prompt.id)
@@ -197,19 +257,18 @@ def run_bench(
                 samples.append(sample)
             prompt_ids[key] = turn_ids
             baseline_tokens[key] = base
+            done_prompts[wl.name] = done_prompts.get(wl.name, 0) + 1
+            if inline_specs and (cfg.peer_limit is None or done_prompts[wl.name] <= cfg.peer_limit):
+                run_inline(key, turn_ids, base)
 
-    # Peers: one at a time, on the prompt ids our baseline saw, then unloaded.
+    # Peers in this process: one at a time, on the prompt ids our baseline saw, then unloaded.
     del engines
     gc.collect()
-    eos = tuple(sorted(target.tokenizer.eos_token_ids)) if target.tokenizer else ()
-    sampling = PeerSampling(
-        cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, eos, cfg.ignore_eos
-    )
     peer_prompts = _peer_prompts(prompt_ids, cfg.peer_limit)
     max_context = max((len(i) for ids in peer_prompts.values() for i in ids), default=64)
     max_context = max_context + cfg.max_tokens + 64
     n_runs = sum(len(ids) for ids in peer_prompts.values())
-    for pspec in peer_specs:
+    for pspec in later_specs:
         try:
             t0 = time.perf_counter()
             peer = open_peer(pspec, target, draft, max_context, torch.get_num_threads())
