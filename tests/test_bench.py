@@ -177,7 +177,8 @@ def test_out_of_process_peers_run_on_each_prompt_after_ours(
 ) -> None:
     """llama.cpp's tools (processes of their own) take their turn on each prompt right
     after our methods, not after all of them, so drift over the run moves both sides of
-    a ratio alike; a peer that fails drops out, its rows with it, and the rest go on."""
+    a ratio alike; in-process peers run after all of ours. A peer that fails drops out,
+    its rows with it, and the rest go on."""
     from speculant.bench import runner
     from speculant.bench.peers import Peer, PeerOutput
 
@@ -192,7 +193,11 @@ def test_out_of_process_peers_run_on_each_prompt_after_ours(
                 raise RuntimeError("tool crashed")
             return PeerOutput([1, 2, 3], 0.5, 0.1)
 
-    tools = {"llama.cpp-cli": FakeTool(None), "llama.cpp-speculative:3": FakeTool(3)}
+    tools = {
+        "llama.cpp-cli": FakeTool(None),
+        "llama.cpp-speculative:3": FakeTool(3),
+        "llama.cpp": FakeTool(3),  # in this process: after all of ours
+    }
 
     def fake_open(spec: Any, target: Any, draft: Any, context: int, threads: int) -> Peer:
         assert context > 0
@@ -201,7 +206,8 @@ def test_out_of_process_peers_run_on_each_prompt_after_ours(
     monkeypatch.setattr(runner, "open_peer", fake_open)
     target, _ = pair
     sink = _Recorder()
-    config = BenchConfig(methods=["ngram:2"], peers=["llama-cli"], ks=[3], max_tokens=4)
+    peers = ["llama-cli", "llama.cpp"]
+    config = BenchConfig(methods=["ngram:2"], peers=peers, ks=[3], max_tokens=4)
     res = run_bench(target, None, config, workloads=[TINY_WORKLOAD], progress=sink)
     runs = [line.split(":")[0] for line in sink.lines if "tok/s" in line]
     assert runs == [
@@ -215,16 +221,20 @@ def test_out_of_process_peers_run_on_each_prompt_after_ours(
         "tiny talk ngram",
         "tiny talk llama.cpp-cli",
         "tiny talk llama.cpp-cli",
+        "tiny copy llama.cpp",
     ]
-    # every step advanced once (the failed peer's two turns of "talk" as failed), and
-    # the failure said once
-    assert len(sink.lines) == sink.total + 1
+    # every step advanced once (each failed peer's two turns of "talk" as failed), and
+    # each failure said once
+    assert len(sink.lines) == sink.total + 2
     assert sink.lines.count("peer llama.cpp-speculative:3: failed") == 2
-    assert [line for line in res.skipped] == [
-        "peer llama.cpp-speculative:3 failed: RuntimeError: tool crashed"
+    assert sink.lines.count("peer llama.cpp: failed") == 2
+    assert res.skipped == [
+        "peer llama.cpp-speculative:3 failed: RuntimeError: tool crashed",
+        "peer llama.cpp failed: RuntimeError: tool crashed",
     ]
     methods = {r["method"] for r in res.rows}
-    assert "llama.cpp-cli" in methods and "llama.cpp-speculative:3" not in methods
+    assert "llama.cpp-cli" in methods
+    assert not methods & {"llama.cpp-speculative:3", "llama.cpp"}
 
 
 def test_llama_cli_timings_are_read() -> None:

@@ -178,21 +178,13 @@ def run_bench(
                 for _ in turns:
                     sink.advance(f"peer {pspec.label}: skipped")
                 continue
-            done = 0
+            sample = Sample(key[0], key[1], pspec.label, "peer")
             try:
                 if pspec.label not in methods:
                     methods[pspec.label] = _peer_method(peer, setup)
                     if cfg.warmup:
                         peer.generate(warm_ids, PeerSampling(4, eos=eos))
-                sample = Sample(key[0], key[1], pspec.label, "peer")
-                for ids in turns:
-                    with measured(energy, memory) as usage:
-                        out = peer.generate(ids, sampling)
-                    sample.add_usage(usage, out.seconds)
-                    add_peer_output(sample, len(ids), out)
-                    done += 1
-                    sink.advance(f"{key[0]} {key[1]} {pspec.label}: {out_tok_s(out):.1f} tok/s")
-                sample.identical = sample.token_ids == base
+                _peer_turns(peer, sample, turns, base, sampling, (energy, memory), sink)
                 samples.append(sample)
             except Exception as exc:  # another engine's failure must not end the benchmark
                 dead.add(pspec.label)
@@ -200,7 +192,7 @@ def run_bench(
                 methods.pop(pspec.label, None)
                 skipped.append(f"peer {pspec.label} failed: {type(exc).__name__}: {exc}")
                 sink.message(skipped[-1])
-                for _ in range(len(turns) - done):
+                for _ in range(len(turns) - sample.turns):
                     sink.advance(f"peer {pspec.label}: failed")
             finally:
                 peer.close()
@@ -280,22 +272,18 @@ def run_bench(
                 sink.advance(f"peer {pspec.label}: skipped")
             continue
         methods[pspec.label] = _peer_method(peer, setup)
-        done = 0
+        ran: list[Sample] = []  # this peer's prompts, the one under way last
         try:
             if cfg.warmup:
                 peer.generate(warm_ids, PeerSampling(4, eos=eos))
             for key, turns in peer_prompts.items():
-                sample = Sample(key[0], key[1], pspec.label, "peer")
-                for ids in turns:
-                    with measured(energy, memory) as usage:
-                        out = peer.generate(ids, sampling)
-                    sample.add_usage(usage, out.seconds)
-                    add_peer_output(sample, len(ids), out)
-                    done += 1
-                    sink.advance(f"{key[0]} {key[1]} {pspec.label}: {out_tok_s(out):.1f} tok/s")
-                sample.identical = sample.token_ids == baseline_tokens[key]
-                samples.append(sample)
+                ran.append(Sample(key[0], key[1], pspec.label, "peer"))
+                _peer_turns(
+                    peer, ran[-1], turns, baseline_tokens[key], sampling, (energy, memory), sink
+                )
+                samples.append(ran[-1])
         except Exception as exc:  # another engine's failure must not end the benchmark
+            done = sum(sample.turns for sample in ran)
             samples[:] = [s for s in samples if s.method != pspec.label]
             methods.pop(pspec.label, None)
             skipped.append(f"peer {pspec.label} failed: {type(exc).__name__}: {exc}")
@@ -314,6 +302,27 @@ def run_bench(
     meta = build_meta(target, draft, cfg, wls, specs, peer_specs, energy, memory, command)
     meta["duration_s"] = time.time() - started
     return BenchResult(meta, rows, [s.to_dict() for s in samples], skipped, failures)
+
+
+def _peer_turns(
+    peer: Peer,
+    sample: Sample,
+    turns: list[list[int]],
+    base: list[list[int]],
+    sampling: PeerSampling,
+    meters: tuple[EnergyMeter, MemoryProbe],
+    sink: Progress,
+) -> None:
+    """`peer` over one prompt's turns, measured into `sample` (sample.turns counts the
+    turns done, should one fail), judged against our baseline's tokens `base`."""
+    for ids in turns:
+        with measured(*meters) as usage:
+            out = peer.generate(ids, sampling)
+        sample.add_usage(usage, out.seconds)
+        add_peer_output(sample, len(ids), out)
+        speed = out_tok_s(out)
+        sink.advance(f"{sample.workload} {sample.prompt_id} {sample.method}: {speed:.1f} tok/s")
+    sample.identical = sample.token_ids == base
 
 
 def _peer_prompts(
