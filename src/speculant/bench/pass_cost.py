@@ -125,10 +125,9 @@ def _set_native(path: str, threads: int | None, defaults: dict[str, int]) -> Non
 def measure_models(
     models: Sequence[Model], role: str, cfg: PassCostConfig, say: Callable[[str], None] = print
 ) -> list[dict[str, Any]]:
-    """One row per (model, kernel path, threads); every (width, row) takes its turn within
-    every repeat:
-    pass ms by width and plain tok/s. `models` are one model in several weight formats
-    (or any models sharing a tokenizer's prompt)."""
+    """One row per (model, kernel path, threads) with pass ms by width and plain tok/s;
+    every (width, row) takes its turn within every repeat. `models` are one model in
+    several weight formats (or any models sharing a tokenizer's prompt)."""
     ids_of: list[list[int]] = []
     caches = []
     for model in models:

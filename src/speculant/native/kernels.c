@@ -826,8 +826,9 @@ static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t
 static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const int kind = kind_of(p->type);
     /* A pass of up to ts->rows rows (a decode step or a verify pass) is one tile, a
-     * column at a time: each weight block is decoded once for all its rows. More rows (a
-     * prefill) go a block of rows at a time, in tiles of up to MANY_ROWS_TILE rows (of
+     * column at a time: each weight block is decoded once for all its rows. K-quant
+     * passes of RO_MIN_ROWS rows or more (a prefill) go through rows_outer_run. Other
+     * passes of more rows go a block of rows at a time, in tiles of up to MANY_ROWS_TILE rows (of
      * balanced heights: 9 rows are 3 + 3 + 3, not 4 + 4 + 1) over pairs of columns, so
      * that the block's quantized activations stay in L2 while the chunk's columns pass
      * over them; column outer, row tiles inner, so a column's blocks stay in L1 across
