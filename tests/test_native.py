@@ -156,8 +156,14 @@ def test_long_columns_in_spans_equal_whole_columns(ggml_type: int) -> None:
     alone or in a pass (a row alone never takes spans)."""
     # 29 blocks: spans of 4 leave 1; 21 columns: groups of 8 leave 5
     spans = ((0, 8), (4, 8), (3, 5), (29, 1), (64, 32))
-    settings = [{"span_blocks": b, "span_cols": c} for b, c in spans]
-    _equal_rows_alone_under_knobs(ggml_type, 21, 29 * 256, 13, settings, (3, 5, 8))
+    # with and without two-column 512-bit tiles (pairs of a group's columns, an odd one
+    # alone), whatever the CPU's default
+    settings = [
+        {"span_blocks": b, "span_cols": c, "wide_tiles": w, "wide_min_rows": 1}
+        for b, c in spans
+        for w in (0, 1)
+    ]
+    _equal_rows_alone_under_knobs(ggml_type, 21, 29 * 256, 13, settings, (2, 3, 5, 8))
 
 
 @pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K, native.Q8_0])
@@ -171,6 +177,22 @@ def test_row_tiles_outside_columns_equal_cols_order(ggml_type: int) -> None:
     budgets = (0, 320 * 4, 320 * 8, 320 * 12, 1 << 20)
     settings = [{"rows_outer": b} for b in budgets]
     _equal_rows_alone_under_knobs(ggml_type, 71, 7 * 256, 15, settings, (16, 23, 37))
+
+
+@pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_wide_tiles_equal_rows_alone(ggml_type: int) -> None:
+    """Two-column K-quant tiles in 512-bit registers (the wide_tiles knob, on by default on
+    Intel CPUs), in prefill and verify passes, are bitwise the rows alone, on every path,
+    with and without spans, for tiles of 1 to 8 rows and an odd last column; forced on
+    and off here whatever the CPU."""
+    budgets = (0, 320 * 3, 1 << 20)
+    settings = [{"wide_tiles": 0}]
+    settings += [
+        {"wide_tiles": 1, "rows_outer": b, "wide_rows": r} for b in budgets for r in (1, 3, 8)
+    ]
+    settings += [{"wide_tiles": 1, "wide_min_rows": 1}]  # verify passes (spans: the test above)
+    ms = (1, 2, 3, 5, 8, 16, 23, 37, 64)
+    _equal_rows_alone_under_knobs(ggml_type, 71, 7 * 256, 17, settings, ms)
 
 
 def test_mixed_parts_concatenate_columns(path: str) -> None:

@@ -165,6 +165,9 @@ TUNING_KNOBS = {
     "span_cols": (6, 1),
     "span_ahead": (7, 0),
     "rows_outer": (8, 0),
+    "wide_tiles": (9, 0),
+    "wide_rows": (10, 1),
+    "wide_min_rows": (11, 1),
 }
 
 
@@ -179,13 +182,18 @@ def tune(knob: str, value: int) -> int:
     a span of blocks at a time over a group of columns, and how many pieces ahead it asks
     for weights; `rows_outer` (0: off): a pass of many rows takes its row tiles outside
     the column loop, columns a span at a time where a tile's activations pass this many
-    bytes."""
+    bytes; `wide_tiles` (1 on, 0 off; on by default on Intel CPUs): K-quant tiles of two
+    columns in 512-bit registers on the VNNI path, for passes of at least `wide_min_rows`
+    rows, `wide_rows` (1-8) rows a tile in a pass of many rows."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]
     if value < least:
         raise ValueError(f"{knob}={value}: a value >= {least} is wanted")
-    return int(_need().spec_tune(knob_id, value))
+    old = int(_need().spec_tune(knob_id, value))
+    if old == -2:
+        raise ValueError(f"{knob}={value}: out of the range the kernels take")
+    return old
 
 
 def tuning() -> dict[str, int]:

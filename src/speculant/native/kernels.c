@@ -697,6 +697,14 @@ static int g_span_ahead = 2;
 #define SPAN_MAX_COLS 32
 #define SPAN_ACT_BYTES (24 * 1024) /* a pass's activations of a column past this take spans */
 static int g_attn_pairs = 1; /* attention of several rows: rows in pairs (attend_pair) */
+/* kq_wide's two-column K-quant tiles on the VNNI path: 1 on, 0 off, -1 (the default) on
+ * Intel CPUs only (resolved by features()). Measured on a Xeon (Emerald Rapids kind),
+ * the 1.5B's passes interleaved off and on: 4 rows 0.92x, 8 rows 0.84x, 16 rows 0.77x,
+ * 64 rows 0.80x of the time. */
+static int g_wide_tiles = -1;
+static int g_wide_rows = 8; /* rows of a kq_wide tile, 1..WIDE_ROWS */
+static int g_wide_min_rows = 3; /* passes of fewer rows keep kq_tile's one-column tiles (on a
+                                 * Xeon, 2 rows: 1.02x; 3 rows: 0.96x of their time) */
 
 #ifdef SPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -733,6 +741,132 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #define TL_PIN(v) __asm__("" : "+v"(v))
 #include "tiles.h"
 
+/* A K-quant tile of R rows (1..WIDE_ROWS) by two columns in 512-bit registers, for
+ * verify passes of 3-8 rows (cols_run, spans_run) and prefills (rows_outer_run). Each
+ * code register of kq_tile (32 bytes, "ch")
+ * holds column c's codes in its low half and column c + 1's in its high half, and the
+ * row's 32 activation bytes go to both halves, so one vpdpbusd does the work of two of
+ * kq_tile's and lanes 0-7 sum column c's groups, lanes 8-15 column c + 1's: the exact
+ * integers kq_tile sums. The scale step then runs both columns' 8 lanes at once, each
+ * lane the same integer and float operations as kq_tile's, so the results are its
+ * bits. On an Intel core a 512-bit vpdpbusd costs about what a 256-bit one does; Zen 4
+ * splits it in two (see g_wide_tiles). */
+#define WIDE_ROWS 8 /* the most rows of a kq_wide tile */
+#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+VNNI512 static inline __m512i two_halves(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+VNNI512 static inline __m512 two_f16(const uint8_t *a, const uint8_t *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_set1_epi16((short)rd16(a)))),
+                              _mm256_cvtph_ps(_mm_set1_epi16((short)rd16(b))), 1);
+}
+VNNI512 static inline __m512i both_halves(const void *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+VNNI512 __attribute__((always_inline)) static inline void
+kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, const int q6,
+        const int64_t u0, const int64_t u1, float *carry) {
+    const int64_t nu = jb->nk, ub = p->unit_bytes;
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    const uint8_t *w0 = p->w + c * p->row_bytes, *w1 = w0 + p->row_bytes;
+    const xk_t *xrow[WIDE_ROWS];
+    for (int r = 0; r < R; r++) xrow[r] = jb->xk + (r0 + r) * nu;
+    /* lanes 0-7: column c's 8 sums, lanes 8-15: column c + 1's (kq_tile's carry layout
+     * [R][2][8]) */
+    __m512 acc[WIDE_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = u0 ? _mm512_loadu_ps(carry + 16 * r) : _mm512_setzero_ps();
+    const int64_t pfd = !carry && R >= g_prefetch_rows ? g_prefetch_bytes : 0;
+    for (int64_t u = u0; u < u1; u++) {
+        const uint8_t *b0 = w0 + u * ub, *b1 = w1 + u * ub;
+        if (pfd)
+            for (int64_t o = 0; o < ub; o += 64) {
+                _mm_prefetch((const char *)b0 + pfd + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)b1 + pfd + o, _MM_HINT_T0);
+            }
+        __m512i lo[4], hi[4];
+        for (int ch = 0; ch < 4; ch++) {
+            const int at = (q6 ? 0 : 16) + 32 * ch;
+            const __m512i q = two_halves(b0 + at, b1 + at);
+            lo[ch] = _mm512_and_si512(q, m4);
+            hi[ch] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            if (q6) { /* bits 2ch, 2ch+1 of each byte -> bits 4, 5 */
+                const __m512i h0 = two_halves(b0 + 128, b1 + 128), h1 = two_halves(b0 + 160, b1 + 160);
+                const int sh = 2 * ch;
+                lo[ch] = _mm512_or_si512(lo[ch], _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h0, sh), 4), m30));
+                hi[ch] = _mm512_or_si512(hi[ch], _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h1, sh), 4), m30));
+            }
+        }
+        if (q6) {
+            /* kq_tile's scA, scB and sc16, column c in the low half, c + 1 in the high */
+            const __m128i s0 = _mm_loadu_si128((const __m128i *)(b0 + 192));
+            const __m128i s1 = _mm_loadu_si128((const __m128i *)(b1 + 192));
+            const __m512i scA = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(s0, s1));
+            const __m512i scB = _mm512_cvtepi8_epi32(_mm_unpackhi_epi64(s0, s1));
+            const __m512i sc16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepi8_epi16(s0)),
+                                                    _mm256_cvtepi8_epi16(s1), 1);
+            const __m512 d = two_f16(b0 + 208, b1 + 208);
+            for (int r = 0; r < R; r++) {
+                const xk_t *xb = xrow[r] + u;
+                __m512i A = _mm512_setzero_si512(), B = _mm512_setzero_si512();
+                for (int ch = 0; ch < 4; ch++) {
+                    A = _mm512_dpbusd_epi32(A, lo[ch], both_halves(xb->q16 + 32 * ch));
+                    B = _mm512_dpbusd_epi32(B, hi[ch], both_halves(xb->q16 + 32 * (ch + 4)));
+                }
+                const __m512i bs = _mm512_madd_epi16(both_halves(xb->bsums), sc16);
+                __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(A, scA), _mm512_mullo_epi32(B, scB));
+                sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(bs, 5));
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), d), _mm512_set1_ps(xb->d), acc[r]);
+            }
+        } else {
+            uint64_t sc0, mn0, sc1, mn1;
+            q4k_scales8(b0 + 4, &sc0, &mn0);
+            q4k_scales8(b1 + 4, &sc1, &mn1);
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)sc1, (long long)sc0));
+            const __m512i mn = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)mn1, (long long)mn0));
+            const __m512 dsc = _mm512_mul_ps(two_f16(b0, b1), _mm512_cvtepi32_ps(sc));
+            const __m512 dmn = _mm512_mul_ps(two_f16(b0 + 2, b1 + 2), _mm512_cvtepi32_ps(mn));
+            for (int r = 0; r < R; r++) {
+                const xk_t *xb = xrow[r] + u;
+                __m512i a = _mm512_setzero_si512();
+                for (int ch = 0; ch < 4; ch++) {
+                    a = _mm512_dpbusd_epi32(a, lo[ch], both_halves(xb->q32 + 32 * ch));
+                    a = _mm512_dpbusd_epi32(a, hi[ch], both_halves(xb->q32 + 32 * (ch + 4)));
+                }
+                const __m512 bs = _mm512_castsi512_ps(both_halves(xb->bs32f));
+                const __m512 v = _mm512_fnmadd_ps(bs, dmn, _mm512_mul_ps(_mm512_cvtepi32_ps(a), dsc));
+                acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xb->d), acc[r]);
+            }
+        }
+    }
+    if (u1 < nu) {
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(carry + 16 * r, acc[r]);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        float *y = jb->y + (r0 + r) * jb->ldy + p->col0 + c;
+        y[0] = hsum8_avx(_mm512_castps512_ps256(acc[r]));
+        y[1] = hsum8_avx(_mm512_extractf32x8_ps(acc[r], 1));
+    }
+}
+#define KQW(kind, q6, R)                                                                        \
+    VNNI512 static void kq_wide_##kind##_##R(const job_t *j, const part_t *p, int64_t r0,       \
+                                             int64_t c, int64_t u0, int64_t u1, float *cy) {    \
+        kq_wide(j, p, r0, R, c, q6, u0, u1, cy);                                                \
+    }
+#define KQW_ALL(kind, q6)                                                                       \
+    KQW(kind, q6, 1) KQW(kind, q6, 2) KQW(kind, q6, 3) KQW(kind, q6, 4)                         \
+    KQW(kind, q6, 5) KQW(kind, q6, 6) KQW(kind, q6, 7) KQW(kind, q6, 8)
+KQW_ALL(q4k, 0)
+KQW_ALL(q6k, 1)
+#define KQW_ROW(kind)                                                                           \
+    {kq_wide_##kind##_1, kq_wide_##kind##_2, kq_wide_##kind##_3, kq_wide_##kind##_4,            \
+     kq_wide_##kind##_5, kq_wide_##kind##_6, kq_wide_##kind##_7, kq_wide_##kind##_8}
+static const span_fn kq_wide_fn[2][WIDE_ROWS] = {KQW_ROW(q4k), KQW_ROW(q6k)}; /* [Q6_K][R - 1] */
+#undef KQW
+#undef KQW_ALL
+#undef KQW_ROW
+
 /* Tuning, set by spec_tune (benchmarks); no result depends on them. Threads take chunks
  * of about columns / (threads x g_chunks_per_thread) columns, at most g_max_chunk_cols:
  * long runs of contiguous weights for each core's stream. */
@@ -753,6 +887,8 @@ static int g_rows_outer = 12288; /* rows_outer_run's L1 budget in bytes; 0: off 
  * 0.84-0.90x, 6 rows 0.86x, 8 rows 0.79-0.83x of the time. */
 static void spans_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const span_fn f = ts->span[p->type == T_Q6_K][jb->m - 1];
+    const int wide = g_wide_tiles > 0 && ts == &tiles_vnni && jb->m >= g_wide_min_rows;
+    const span_fn fw = kq_wide_fn[p->type == T_Q6_K][jb->m - 1];
     const int64_t S = g_span_blocks, nk = jb->nk, nspans = (nk + S - 1) / S;
     const int64_t G = g_span_cols < SPAN_MAX_COLS ? g_span_cols : SPAN_MAX_COLS;
     float carry[SPAN_MAX_COLS * MAX_ROWS_TILE * 8] __attribute__((aligned(32)));
@@ -760,18 +896,23 @@ static void spans_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, 
         const int64_t g1 = g0 + G < c1 ? g0 + G : c1, n = g1 - g0;
         for (int64_t s = 0; s < nspans; s++) {
             const int64_t u0 = s * S, u1 = u0 + S < nk ? u0 + S : nk;
-            for (int64_t c = g0; c < g1; c++) {
-                /* piece i of the group's visiting order (span i / n, column g0 + i % n); past
-                 * the group's last, the next group's first span */
-                const int64_t i = s * n + (c - g0) + g_span_ahead;
-                const int64_t ps = i < nspans * n ? i / n : 0;
-                const int64_t pc = i < nspans * n ? g0 + i % n : g1 + (i - nspans * n);
-                if (g_span_ahead && pc < c1) {
-                    const int64_t b0 = ps * S, b1 = b0 + S < nk ? b0 + S : nk;
-                    const char *w = (const char *)(p->w + pc * p->row_bytes + b0 * p->unit_bytes);
-                    for (int64_t o = 0; o < (b1 - b0) * p->unit_bytes; o += 64) _mm_prefetch(w + o, _MM_HINT_T0);
+            for (int64_t c = g0; c < g1;) {
+                const int pair = wide && c + 1 < g1; /* columns c and c + 1 in one kq_wide tile */
+                for (int64_t cc = c; cc <= c + pair; cc++) {
+                    /* piece i of the group's visiting order (span i / n, column g0 + i % n);
+                     * past the group's last, the next group's first span */
+                    const int64_t i = s * n + (cc - g0) + g_span_ahead;
+                    const int64_t ps = i < nspans * n ? i / n : 0;
+                    const int64_t pc = i < nspans * n ? g0 + i % n : g1 + (i - nspans * n);
+                    if (g_span_ahead && pc < c1) {
+                        const int64_t b0 = ps * S, b1 = b0 + S < nk ? b0 + S : nk;
+                        const char *w = (const char *)(p->w + pc * p->row_bytes + b0 * p->unit_bytes);
+                        for (int64_t o = 0; o < (b1 - b0) * p->unit_bytes; o += 64) _mm_prefetch(w + o, _MM_HINT_T0);
+                    }
                 }
-                f(jb, p, 0, c, u0, u1, carry + (c - g0) * MAX_ROWS_TILE * 8);
+                /* a pair's carry [m][2][8] fits the two columns' [MAX_ROWS_TILE][8] each */
+                (pair ? fw : f)(jb, p, 0, c, u0, u1, carry + (c - g0) * MAX_ROWS_TILE * 8);
+                c += 1 + pair;
             }
         }
     }
@@ -794,14 +935,18 @@ static void spans_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, 
 #define RO_MIN_ROWS 16 /* the fewest rows that take rows_outer_run */
 static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts,
                            const int kind, const int cols) {
-    const int64_t nk = jb->nk, tr = MANY_ROWS_TILE, ntiles = (jb->m + tr - 1) / tr;
+    const int wide = g_wide_tiles > 0 && ts == &tiles_vnni; /* K-quants only come here */
+    const int64_t nk = jb->nk, tr = wide ? g_wide_rows : MANY_ROWS_TILE, ntiles = (jb->m + tr - 1) / tr;
     int64_t S = nk;
-    if (nk * XK_TILE_BYTES * tr > g_rows_outer) {
-        S = g_rows_outer / (XK_TILE_BYTES * tr);
+    /* the budget is for 4 rows' activations: kq_wide's tiles of 8 rows take spans as long
+     * as 4-row tiles do, twice the bytes, which Intel's 48 KiB L1 holds (on a Xeon, 16-row
+     * passes 0.81x and 64-row passes 0.89x of the time of spans sized for 8 rows) */
+    if (nk * XK_TILE_BYTES * MANY_ROWS_TILE > g_rows_outer) {
+        S = g_rows_outer / (XK_TILE_BYTES * MANY_ROWS_TILE);
         if (S < 1) S = 1;
     }
     const int64_t nspans = (nk + S - 1) / S;
-    float carry[RO_COLS * MANY_ROWS_TILE * 8] __attribute__((aligned(32)));
+    float carry[RO_COLS * WIDE_ROWS * 8] __attribute__((aligned(32)));
     for (int64_t g0 = c0; g0 < c1; g0 += RO_COLS) {
         const int64_t g1 = g0 + RO_COLS < c1 ? g0 + RO_COLS : c1;
         for (int64_t t = 0; t < ntiles; t++) {
@@ -810,10 +955,14 @@ static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t
                 const int64_t u0 = s * S, u1 = u0 + S < nk ? u0 + S : nk;
                 for (int64_t c = g0; c < g1;) {
                     const int C = g1 - c >= cols ? cols : 1;
-                    if (nspans == 1)
+                    if (nspans == 1 && wide && C == 2)
+                        kq_wide_fn[p->type == T_Q6_K][R - 1](jb, p, r0, c, 0, nk, NULL);
+                    else if (nspans == 1)
                         ts->fn[kind][R - 1][C - 1](jb, p, r0, c);
                     else if (C == 1)
                         ts->span[p->type == T_Q6_K][R - 1](jb, p, r0, c, u0, u1, carry + (c - g0) * tr * 8);
+                    else if (wide)
+                        kq_wide_fn[p->type == T_Q6_K][R - 1](jb, p, r0, c, u0, u1, carry + (c - g0) * tr * 8);
                     else
                         ts->span2[p->type == T_Q6_K][R - 1](jb, p, r0, c, u0, u1, carry + (c - g0) * tr * 8);
                     c += C;
@@ -843,6 +992,17 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
     const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
     if (!one_col && g_rows_outer && jb->m >= RO_MIN_ROWS && is_kquant(p->type)) {
         rows_outer_run(jb, p, c0, c1, ts, kind, cols);
+        return;
+    }
+    if (one_col && is_kquant(p->type) && g_wide_tiles > 0 && ts == &tiles_vnni && jb->m >= g_wide_min_rows) {
+        /* a verify pass: its rows over two columns at a time (kq_wide) */
+        const span_fn fw = kq_wide_fn[p->type == T_Q6_K][jb->m - 1];
+        for (int64_t c = c0; c < c1; c += 2) {
+            if (c + 1 < c1)
+                fw(jb, p, 0, c, 0, jb->nk, NULL);
+            else
+                ts->fn[kind][jb->m - 1][0](jb, p, 0, c);
+        }
         return;
     }
     const int64_t rb = one_col ? jb->m : jb->row_block;
@@ -878,6 +1038,9 @@ static int features(void) {
             __builtin_cpu_supports("avx512dq"))
             f |= FEAT_AVX512;
         if ((f & FEAT_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= FEAT_AVX512VNNI;
+        if (g_wide_tiles < 0) g_wide_tiles = __builtin_cpu_is("intel") ? 1 : 0;
+#else
+        if (g_wide_tiles < 0) g_wide_tiles = 0;
 #endif
         g_features = f;
     }
@@ -1077,12 +1240,14 @@ int spec_active_path(void) { return resolve_path(); }
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
-                                 &g_span_cols,      &g_span_ahead, &g_rows_outer};
-    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0};
-    if (knob < 0 || knob > 8) return -1;
+                                 &g_span_cols,      &g_span_ahead, &g_rows_outer,
+                                 &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows};
+    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1};
+    features(); /* resolves g_wide_tiles' default */
+    if (knob < 0 || knob > 11) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
-    if (value < least[knob]) return -2;
+    if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS)) return -2;
     *knobs[knob] = value;
     return old;
 }
