@@ -743,9 +743,9 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 
 /* A K-quant tile of R rows (1..WIDE_ROWS) by two columns in 512-bit registers, for
  * verify passes of 3-8 rows (cols_run, spans_run) and prefills (rows_outer_run). Each
- * code register of kq_tile (32 bytes, "ch")
- * holds column c's codes in its low half and column c + 1's in its high half, and the
- * row's 32 activation bytes go to both halves, so one vpdpbusd does the work of two of
+ * code register of kq_tile (32 bytes, "ch") becomes a 512-bit one holding column c's
+ * codes in its low half and column c + 1's in its high half, and the row's 32
+ * activation bytes go to both halves, so one vpdpbusd does the work of two of
  * kq_tile's and lanes 0-7 sum column c's groups, lanes 8-15 column c + 1's: the exact
  * integers kq_tile sums. The scale step then runs both columns' 8 lanes at once, each
  * lane the same integer and float operations as kq_tile's, so the results are its
