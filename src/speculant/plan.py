@@ -69,6 +69,8 @@ DEVICES: dict[str, tuple[int, float, str]] = {
 }
 
 # Shapes of the built-in models (their HF config.json fields), so a plan needs no download.
+# They follow the registry's GGUF files: the Qwen pair's files carry their own LM head
+# (output.weight), so they are untied here although the HF checkpoints tie them.
 REGISTRY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2.5-coder-1.5b-instruct": {
         "model_type": "qwen2",
@@ -79,7 +81,7 @@ REGISTRY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "intermediate_size": 8960,
         "max_position_embeddings": 32768,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
     },
     "qwen2.5-coder-0.5b-instruct": {
         "model_type": "qwen2",
@@ -90,7 +92,7 @@ REGISTRY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "intermediate_size": 4864,
         "max_position_embeddings": 32768,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": False,
     },
     "smollm2-135m-instruct": {
         "model_type": "llama",
