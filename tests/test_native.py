@@ -479,6 +479,10 @@ def test_tuning_knobs_change_no_result() -> None:
         native.tune("max_chunk_cols", 3)
     with pytest.raises(ValueError, match="unknown knob"):
         native.tune("one_col_rows", 1)
+    before_rows = native.tuning()["wide_rows"]
+    with pytest.raises(ValueError, match="wide_rows=9: out of the range"):
+        native.tune("wide_rows", 9)
+    assert native.tuning()["wide_rows"] == before_rows
 
 
 # ------------------------------------------------------ SiLU and whole layers at once

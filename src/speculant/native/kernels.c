@@ -863,6 +863,10 @@ KQW_ALL(q6k, 1)
     {kq_wide_##kind##_1, kq_wide_##kind##_2, kq_wide_##kind##_3, kq_wide_##kind##_4,            \
      kq_wide_##kind##_5, kq_wide_##kind##_6, kq_wide_##kind##_7, kq_wide_##kind##_8}
 static const span_fn kq_wide_fn[2][WIDE_ROWS] = {KQW_ROW(q4k), KQW_ROW(q6k)}; /* [Q6_K][R - 1] */
+/* whether a K-quant pass of m rows on tile set ts takes kq_wide's tiles */
+static inline int wide_for(const tile_set *ts, int64_t m) {
+    return g_wide_tiles > 0 && ts == &tiles_vnni && m >= g_wide_min_rows;
+}
 #undef KQW
 #undef KQW_ALL
 #undef KQW_ROW
@@ -887,7 +891,7 @@ static int g_rows_outer = 12288; /* rows_outer_run's L1 budget in bytes; 0: off 
  * 0.84-0.90x, 6 rows 0.86x, 8 rows 0.79-0.83x of the time. */
 static void spans_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const span_fn f = ts->span[p->type == T_Q6_K][jb->m - 1];
-    const int wide = g_wide_tiles > 0 && ts == &tiles_vnni && jb->m >= g_wide_min_rows;
+    const int wide = wide_for(ts, jb->m);
     const span_fn fw = kq_wide_fn[p->type == T_Q6_K][jb->m - 1];
     const int64_t S = g_span_blocks, nk = jb->nk, nspans = (nk + S - 1) / S;
     const int64_t G = g_span_cols < SPAN_MAX_COLS ? g_span_cols : SPAN_MAX_COLS;
@@ -935,7 +939,7 @@ static void spans_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, 
 #define RO_MIN_ROWS 16 /* the fewest rows that take rows_outer_run */
 static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts,
                            const int kind, const int cols) {
-    const int wide = g_wide_tiles > 0 && ts == &tiles_vnni; /* K-quants only come here */
+    const int wide = wide_for(ts, jb->m); /* K-quants only come here */
     const int64_t nk = jb->nk, tr = wide ? g_wide_rows : MANY_ROWS_TILE, ntiles = (jb->m + tr - 1) / tr;
     int64_t S = nk;
     /* the budget is for 4 rows' activations: kq_wide's tiles of 8 rows take spans as long
@@ -954,17 +958,16 @@ static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t
             for (int64_t s = 0; s < nspans; s++) {
                 const int64_t u0 = s * S, u1 = u0 + S < nk ? u0 + S : nk;
                 for (int64_t c = g0; c < g1;) {
-                    const int C = g1 - c >= cols ? cols : 1;
-                    if (nspans == 1 && wide && C == 2)
-                        kq_wide_fn[p->type == T_Q6_K][R - 1](jb, p, r0, c, 0, nk, NULL);
+                    const int C = g1 - c >= cols ? cols : 1, q6 = p->type == T_Q6_K;
+                    float *cy = carry + (c - g0) * tr * 8;
+                    if (wide && C == 2)
+                        kq_wide_fn[q6][R - 1](jb, p, r0, c, u0, u1, nspans == 1 ? NULL : cy);
                     else if (nspans == 1)
                         ts->fn[kind][R - 1][C - 1](jb, p, r0, c);
                     else if (C == 1)
-                        ts->span[p->type == T_Q6_K][R - 1](jb, p, r0, c, u0, u1, carry + (c - g0) * tr * 8);
-                    else if (wide)
-                        kq_wide_fn[p->type == T_Q6_K][R - 1](jb, p, r0, c, u0, u1, carry + (c - g0) * tr * 8);
+                        ts->span[q6][R - 1](jb, p, r0, c, u0, u1, cy);
                     else
-                        ts->span2[p->type == T_Q6_K][R - 1](jb, p, r0, c, u0, u1, carry + (c - g0) * tr * 8);
+                        ts->span2[q6][R - 1](jb, p, r0, c, u0, u1, cy);
                     c += C;
                 }
             }
@@ -994,7 +997,7 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
         rows_outer_run(jb, p, c0, c1, ts, kind, cols);
         return;
     }
-    if (one_col && is_kquant(p->type) && g_wide_tiles > 0 && ts == &tiles_vnni && jb->m >= g_wide_min_rows) {
+    if (one_col && is_kquant(p->type) && wide_for(ts, jb->m)) {
         /* a verify pass: its rows over two columns at a time (kq_wide) */
         const span_fn fw = kq_wide_fn[p->type == T_Q6_K][jb->m - 1];
         for (int64_t c = c0; c < c1; c += 2) {
@@ -1244,7 +1247,7 @@ int spec_tune(int knob, int value) {
                                  &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows};
     static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1};
     features(); /* resolves g_wide_tiles' default */
-    if (knob < 0 || knob > 11) return -1;
+    if (knob < 0 || knob >= (int)(sizeof knobs / sizeof knobs[0])) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
     if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS)) return -2;
