@@ -195,6 +195,60 @@ def test_wide_tiles_equal_rows_alone(ggml_type: int) -> None:
     _equal_rows_alone_under_knobs(ggml_type, 71, 7 * 256, 17, settings, ms)
 
 
+@pytest.mark.skipif(
+    not native.available() or not native.has_amx(), reason="this CPU (or OS) has no AMX-INT8 tiles"
+)
+@pytest.mark.parametrize("k", [7 * 256, 35 * 256], ids=["7-blocks", "35-blocks"])
+def test_amx_tiles_equal_rows_alone(k: int) -> None:
+    """Prefill's Q4_K matmuls on AMX tiles (the amx_tiles knob) are bitwise the rows alone
+    and the VNNI tiles: 71 columns (four 16-column groups and 7 left to the VNNI tiles),
+    rows that do and do not fill 16-row tiles, passes too short for the tiles (16 rows),
+    with rows_outer's spans on and off for the leftover columns."""
+    settings = [{"amx_tiles": 0}] + [{"amx_tiles": 1, "rows_outer": b} for b in (320 * 4, 1 << 20)]
+    _equal_rows_alone_under_knobs(native.Q4_K, 71, k, 19, settings, (16, 31, 32, 37, 64, 100))
+
+
+@pytest.mark.skipif(
+    not native.available() or not native.has_amx(), reason="this CPU (or OS) has no AMX-INT8 tiles"
+)
+def test_amx_tiles_beside_other_parts() -> None:
+    """A fused projection of Q4_K parts whose columns do not start on a 16-column group
+    (after 5 Q6_K and 3 Q8_0 columns) equals its parts run one by one, AMX tiles on,
+    and the same pass with them off."""
+    k = 3 * 256
+    specs = [(native.Q6_K, 5), (native.Q4_K, 37), (native.Q6_K, 16), (native.Q4_K, 48)]
+    parts = [(t, random_matrix(t, n, k, seed=40 + i), n) for i, (t, n) in enumerate(specs)]
+    x = torch.randn(45, k, generator=torch.Generator().manual_seed(41))
+    before = native.tuning()["amx_tiles"]
+    try:
+        native.tune("amx_tiles", 1)
+        fused = native.NativeMatrix(parts, k).matmul(x)
+        single = torch.cat([native.NativeMatrix([p], k).matmul(x) for p in parts], dim=1)
+        native.tune("amx_tiles", 0)
+        off = native.NativeMatrix(parts, k).matmul(x)
+    finally:
+        native.tune("amx_tiles", before)
+    assert torch.equal(fused, single)
+    assert torch.equal(fused, off)
+
+
+def test_amx_knob_says_when_the_cpu_lacks_tiles() -> None:
+    """amx_tiles=1 is taken where the CPU and OS offer AMX-INT8 and refused with a clear
+    error elsewhere (the knob keeps its value); 0 is always taken."""
+    before = native.tuning()["amx_tiles"]
+    try:
+        native.tune("amx_tiles", 0)
+        if native.has_amx():
+            assert native.tune("amx_tiles", 1) == 0
+            assert native.tuning()["amx_tiles"] == 1
+        else:
+            with pytest.raises(ValueError, match="amx_tiles=1: this CPU .* no AMX-INT8 tiles"):
+                native.tune("amx_tiles", 1)
+            assert native.tuning()["amx_tiles"] == 0
+    finally:
+        native.tune("amx_tiles", before)
+
+
 def test_mixed_parts_concatenate_columns(path: str) -> None:
     """A fused projection with parts in different formats (Q5_0 queries beside Q8_0
     values in the 0.5B file) equals its parts run one by one."""

@@ -168,6 +168,7 @@ TUNING_KNOBS = {
     "wide_tiles": (9, 0),
     "wide_rows": (10, 1),
     "wide_min_rows": (11, 1),
+    "amx_tiles": (12, 0),
 }
 
 
@@ -184,7 +185,8 @@ def tune(knob: str, value: int) -> int:
     the column loop, columns a span at a time where a tile's activations pass this many
     bytes; `wide_tiles` (1 on, 0 off; on by default on Intel CPUs): K-quant tiles of two
     columns in 512-bit registers on the VNNI path, for passes of at least `wide_min_rows`
-    rows, `wide_rows` (1-8) rows a tile in a pass of many rows."""
+    rows, `wide_rows` (1-8) rows a tile in a pass of many rows; `amx_tiles` (1 on, 0 off;
+    only where `has_amx()`): prefill's Q4_K matmuls on AMX tiles."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]
@@ -193,7 +195,15 @@ def tune(knob: str, value: int) -> int:
     old = int(_need().spec_tune(knob_id, value))
     if old == -2:
         raise ValueError(f"{knob}={value}: out of the range the kernels take")
+    if old == -3:
+        raise ValueError(f"{knob}={value}: this CPU (or its OS) offers no AMX-INT8 tiles")
     return old
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX-INT8 tiles that this process may use (the `amx_tiles`
+    knob)."""
+    return bool(_need().spec_features() & 8)
 
 
 def tuning() -> dict[str, int]:

@@ -36,7 +36,16 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define SPEC_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#endif
+/* AMX tiles (prefill's Q4_K matmuls on CPUs that have them): compilers that know the
+ * instructions, on Linux, whose kernel hands the tile state out by arch_prctl */
+#if defined(SPEC_X86) && defined(__linux__) &&                                             \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define SPEC_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 /* GGML type ids (the values stored in GGUF files). */
@@ -53,7 +62,7 @@ enum {
 
 /* Code paths, slowest first. Every path computes bitwise the same results. */
 enum { PATH_AUTO = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_AVX512VNNI = 4 };
-enum { FEAT_AVX2 = 1, FEAT_AVX512 = 2, FEAT_AVX512VNNI = 4 };
+enum { FEAT_AVX2 = 1, FEAT_AVX512 = 2, FEAT_AVX512VNNI = 4, FEAT_AMX = 8 };
 #define PATH_LAST PATH_AVX512VNNI
 
 #define MAX_ROWS_TILE 8 /* rows of the tallest tile */
@@ -486,11 +495,13 @@ static void init_perms(void) {
 }
 static pthread_once_t g_perms_once = PTHREAD_ONCE_INIT;
 
-static void quantize_row_k(const float *x, int64_t K, xk_t *out, int path) {
+/* (xa, where not NULL, receives each block's codes in value order) */
+static void quantize_row_k(const float *x, int64_t K, xk_t *out, int8_t *xa, int path) {
     pthread_once(&g_perms_once, init_perms);
     for (int64_t b = 0; b < K / 256; b++) {
         int8_t q[256];
         quantize_block(x + b * 256, 256, &out[b].d, q, path);
+        if (xa) memcpy(xa + b * 256, q, 256);
         for (int j = 0; j < 16; j++) {
             int sum = 0;
             for (int i = 0; i < 16; i++) sum += q[j * 16 + i];
@@ -543,6 +554,7 @@ typedef struct {
     int64_t nk, ng;  /* K-quant blocks and legacy groups per row */
     const xk_t *xk;  /* [m][nk] or NULL */
     const xg_t *xg;  /* [m][ng] or NULL */
+    const int8_t *xa; /* [m rounded up to 16][nk][256] the codes in value order (AMX tiles) or NULL */
     float *y;
     int64_t chunk_cols;
     int64_t nchunks;
@@ -703,6 +715,7 @@ static int g_attn_pairs = 1; /* attention of several rows: rows in pairs (attend
  * 64 rows 0.80x of the time. */
 static int g_wide_tiles = -1;
 static int g_wide_rows = 8; /* rows of a kq_wide tile, 1..WIDE_ROWS */
+static int g_amx_tiles = -1; /* AMX tiles for prefill's Q4_K matmuls (amx_q4k_run) */
 static int g_wide_min_rows = 3; /* passes of fewer rows keep kq_tile's one-column tiles (on a
                                  * Xeon, 2 rows: 1.02x; 3 rows: 0.96x of their time) */
 
@@ -975,6 +988,133 @@ static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t
     }
 }
 
+/* Prefill's Q4_K matmuls on AMX tiles: a tile multiply-add of 16 rows' activations by 16
+ * columns' codes over one 32-value sub-block gives the 16 x 16 integer sums kq_tile's
+ * vpdpbusd lanes form (exact integers, in any order), and each sum then takes kq_tile's
+ * own float step (times d * scale, less the row's code sum times dmin * min, times the
+ * row's scale, added to that sub-block's accumulator, blocks in order) and the 8
+ * sub-blocks' accumulators are added in hsum8's order: the bits of every other path.
+ * The float step, one per (row, column, sub-block), is most of the work; the multiplies
+ * cost next to nothing, against 4 vpdpbusd per row and block on the VNNI tiles.
+ * Columns go 16 at a time: their codes are laid out once per pass as the tiles read
+ * them (8 rows of 16 columns' 4 codes per sub-block), with their scales, in a scratch of
+ * this thread's; a pass's columns that do not fill 16 take rows_outer_run. Activations
+ * come as their codes in value order, [rows rounded up to 16][nk][256] (jb->xa), so that
+ * a tile of 16 rows of a sub-block is one strided load. */
+#ifdef SPEC_AMX
+#define AMXF __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg_t;
+#define AMX_SUB_BYTES 512 /* one sub-block's codes of 16 columns: 8 rows x 16 columns x 4 */
+static __thread uint8_t *t_amx_scratch;
+static __thread int64_t t_amx_bytes;
+
+/* Columns c .. c + 15's codes and scales over nk blocks, as amx_q4k_run reads them:
+ * codes [nk][8 sub-blocks][8][16][4] (row t of sub-block l: value 4t .. 4t + 3 of it,
+ * which the repacked unit holds in word l of its register t: the low nibbles of register
+ * t < 4, the high ones of register t - 4), then d * scale and dmin * min [nk][8][16]. */
+AMXF static void amx_q4k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes, float *dsc,
+                                 float *dmn) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int64_t u = 0; u < nk; u++) { /* a block's 4 KiB of codes in L1 while its columns come */
+        for (int n = 0; n < 16; n++) {
+            const uint8_t *b = p->w + (c + n) * p->row_bytes + u * p->unit_bytes;
+            uint64_t sc8, mn8;
+            q4k_scales8(b + 4, &sc8, &mn8);
+            const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
+            for (int l = 0; l < 8; l++) {
+                dsc[(u * 8 + l) * 16 + n] = d * (float)(int)((sc8 >> (8 * l)) & 0xFF);
+                dmn[(u * 8 + l) * 16 + n] = dmin * (float)(int)((mn8 >> (8 * l)) & 0xFF);
+            }
+            for (int t = 0; t < 4; t++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * t));
+                uint32_t lo[8], hi[8];
+                _mm256_storeu_si256((__m256i *)lo, _mm256_and_si256(q, m4));
+                _mm256_storeu_si256((__m256i *)hi, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+                uint8_t *o = codes + u * 8 * AMX_SUB_BYTES + 4 * n;
+                for (int l = 0; l < 8; l++) {
+                    memcpy(o + l * AMX_SUB_BYTES + t * 64, &lo[l], 4);
+                    memcpy(o + l * AMX_SUB_BYTES + (t + 4) * 64, &hi[l], 4);
+                }
+            }
+        }
+    }
+}
+
+AMXF static void amx_q4k_tiles(const job_t *jb, const part_t *p, int64_t c, const uint8_t *codes,
+                               const float *dsc, const float *dmn) {
+    const int64_t nk = jb->nk, m = jb->m;
+    int32_t cbuf[16][16] __attribute__((aligned(64)));
+    float accs[8][16][16] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int8_t *xa = jb->xa + r0 * nk * 256;
+        const xk_t *xr = jb->xk + r0 * nk; /* padded to 16 rows, as xa */
+        for (int l = 0; l < 8; l++) {
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t u = 0; u < nk; u++) {
+                _tile_loadd(1, xa + u * 256 + 32 * l, nk * 256);
+                _tile_loadd(2, codes + (u * 8 + l) * AMX_SUB_BYTES, 64);
+                _tile_zero(0);
+                _tile_dpbsud(0, 1, 2);
+                _tile_stored(0, cbuf, 64);
+                const __m512 ds = _mm512_loadu_ps(dsc + (u * 8 + l) * 16);
+                const __m512 dm = _mm512_loadu_ps(dmn + (u * 8 + l) * 16);
+                for (int r = 0; r < 16; r++) {
+                    const xk_t *xb = xr + r * nk + u;
+                    const __m512 v = _mm512_fnmadd_ps(_mm512_set1_ps(xb->bs32f[l]), dm,
+                                                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[r])), ds));
+                    acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xb->d), acc[r]);
+                }
+            }
+            for (int r = 0; r < 16; r++) _mm512_store_ps(accs[l][r], acc[r]);
+        }
+        const int64_t R = m - r0 < 16 ? m - r0 : 16;
+        for (int64_t r = 0; r < R; r++) {
+            const __m512 s0 = _mm512_add_ps(_mm512_load_ps(accs[0][r]), _mm512_load_ps(accs[4][r]));
+            const __m512 s2 = _mm512_add_ps(_mm512_load_ps(accs[2][r]), _mm512_load_ps(accs[6][r]));
+            const __m512 s1 = _mm512_add_ps(_mm512_load_ps(accs[1][r]), _mm512_load_ps(accs[5][r]));
+            const __m512 s3 = _mm512_add_ps(_mm512_load_ps(accs[3][r]), _mm512_load_ps(accs[7][r]));
+            /* hsum8's ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), 16 columns at once */
+            _mm512_storeu_ps(jb->y + (r0 + r) * jb->ldy + p->col0 + c,
+                             _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3)));
+        }
+    }
+}
+
+AMXF static void amx_q4k_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
+    const int64_t nk = jb->nk, g1 = c0 + (c1 - c0) / 16 * 16;
+    const int64_t need = nk * 8 * (AMX_SUB_BYTES + 2 * 16 * (int64_t)sizeof(float));
+    if (g1 > c0 && t_amx_bytes < need) {
+        free(t_amx_scratch);
+        t_amx_scratch = aligned_alloc(64, (size_t)need);
+        t_amx_bytes = t_amx_scratch ? need : 0;
+    }
+    if (g1 > c0 && t_amx_scratch) {
+        amx_cfg_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        cfg.rows[0] = 16, cfg.colsb[0] = 64; /* sums: 16 rows x 16 columns */
+        cfg.rows[1] = 16, cfg.colsb[1] = 32; /* activations: 16 rows x a sub-block's 32 codes */
+        cfg.rows[2] = 8, cfg.colsb[2] = 64;  /* codes: 8 x 16 columns x 4 */
+        _tile_loadconfig(&cfg);
+        uint8_t *codes = t_amx_scratch;
+        float *dsc = (float *)(codes + nk * 8 * AMX_SUB_BYTES), *dmn = dsc + nk * 8 * 16;
+        for (int64_t c = c0; c < g1; c += 16) {
+            amx_q4k_columns(p, c, nk, codes, dsc, dmn);
+            amx_q4k_tiles(jb, p, c, codes, dsc, dmn);
+        }
+        _tile_release();
+        c0 = g1;
+    }
+    if (c0 < c1) rows_outer_run(jb, p, c0, c1, ts, kind_of(p->type), ts->cols);
+}
+#endif
+
 static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const int kind = kind_of(p->type);
     /* A pass of up to ts->rows rows (a decode step or a verify pass) is one tile, a
@@ -994,6 +1134,12 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
     }
     const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
     if (!one_col && g_rows_outer && jb->m >= RO_MIN_ROWS && is_kquant(p->type)) {
+#ifdef SPEC_AMX
+        if (jb->xa && p->type == T_Q4_K) {
+            amx_q4k_run(jb, p, c0, c1, ts);
+            return;
+        }
+#endif
         rows_outer_run(jb, p, c0, c1, ts, kind, cols);
         return;
     }
@@ -1041,6 +1187,15 @@ static int features(void) {
             __builtin_cpu_supports("avx512dq"))
             f |= FEAT_AVX512;
         if ((f & FEAT_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= FEAT_AVX512VNNI;
+#ifdef SPEC_AMX
+        unsigned a, b, c, d;
+        /* AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25), and the kernel's leave to
+         * use the tile data (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA) */
+        if ((f & FEAT_AVX512VNNI) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) &&
+            (d >> 25 & 1) && syscall(SYS_arch_prctl, 0x1023, 18) == 0)
+            f |= FEAT_AMX;
+#endif
+        if (g_amx_tiles < 0) g_amx_tiles = 0;
         if (g_wide_tiles < 0) g_wide_tiles = __builtin_cpu_is("intel") ? 1 : 0;
 #else
         if (g_wide_tiles < 0) g_wide_tiles = 0;
@@ -1238,19 +1393,23 @@ int spec_active_path(void) { return resolve_path(); }
  * each weight unit (0: none), 1 the fewest rows a tile prefetches for, 2 chunks per
  * thread, 3 the most columns in a chunk, 4 attention takes query rows in pairs (1) or one
  * at a time (0), 5-7 spans (spans_run): blocks of a span (0: no spans), columns of a
- * group, pieces prefetched ahead. A value of -1 only reads. Returns the old value; -1 for
- * an unknown knob, -2 for a value below the knob's least (0, 0, 1, 4, 0, 0, 1, 0). */
+ * group, pieces prefetched ahead, 8 rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on,
+ * rows a tile, fewest rows), 12 AMX tiles for prefill's Q4_K matmuls. A value of -1 only
+ * reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the knob's
+ * range, -3 for AMX tiles asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
                                  &g_span_cols,      &g_span_ahead, &g_rows_outer,
-                                 &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows};
-    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1};
+                                 &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows,
+                                 &g_amx_tiles};
+    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0};
     features(); /* resolves g_wide_tiles' default */
     if (knob < 0 || knob >= (int)(sizeof knobs / sizeof knobs[0])) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
     if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS)) return -2;
+    if (knobs[knob] == &g_amx_tiles && value > 0 && !(g_features & FEAT_AMX)) return -3;
     *knobs[knob] = value;
     return old;
 }
@@ -1324,11 +1483,21 @@ int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int 
 /* The activation rows of a pass, quantized for the K-quant parts (xk) and the legacy ones
  * (xg) where wanted: each row by itself (the same bits whoever quantizes it), so a pass
  * of many rows (a prefill) shares the rows out over the threads. */
+/* whether a pass of m rows of K-quant parts takes amx_q4k_run for its Q4_K parts */
+#define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once: at 16-24 rows that
+                         * cost more than the tiles saved (Xeon, 8960 x 1536: 1.34-1.45x the
+                         * time), at 32 rows about even, at 64 0.65-0.75x */
+static inline int amx_for(int path, int64_t m) {
+    return g_amx_tiles > 0 && (g_features & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS &&
+           m >= RO_MIN_ROWS && g_rows_outer;
+}
+
 typedef struct {
     const float *x;
     int64_t K;
     xk_t *xk;
     xg_t *xg;
+    int8_t *xa;
     int path;
 } quant_t;
 
@@ -1337,7 +1506,7 @@ static void quantize_part(const void *ctx, int64_t r0, int64_t r1) {
     const quant_t *q = ctx;
     const int64_t nk = q->K / 256, ng = (q->K / 32 + 7) / 8;
     for (int64_t r = r0; r < r1; r++) {
-        if (q->xk) quantize_row_k(q->x + r * q->K, q->K, q->xk + r * nk, q->path);
+        if (q->xk) quantize_row_k(q->x + r * q->K, q->K, q->xk + r * nk, q->xa ? q->xa + r * nk * 256 : NULL, q->path);
         if (q->xg) quantize_row_g(q->x + r * q->K, q->K, q->xg + r * ng, q->path);
     }
 }
@@ -1374,17 +1543,29 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
     if (jb.path < 0) jb.path = PATH_PORTABLE;
     xk_t *xk = NULL;
     xg_t *xg = NULL;
-    if (needk) xk = aligned_alloc(64, sizeof(xk_t) * (size_t)(m * jb.nk));
+    int8_t *xa = NULL;
+    /* AMX tiles take 16 rows at a time: their activations padded with zero rows */
+    int amx = 0;
+    for (int i = 0; i < nparts; i++) amx |= types[i] == T_Q4_K && amx_for(jb.path, m);
+    const int64_t mk = amx ? (m + 15) / 16 * 16 : m;
+    if (needk) xk = aligned_alloc(64, sizeof(xk_t) * (size_t)(mk * jb.nk));
     if (needg) xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
-    if ((needk && !xk) || (needg && !xg)) {
+    if (amx) xa = aligned_alloc(64, (size_t)(mk * jb.nk * 256));
+    if ((needk && !xk) || (needg && !xg) || (amx && !xa)) {
         free(xk);
         free(xg);
+        free(xa);
         return -4;
     }
-    const quant_t q = {x, K, xk, xg, jb.path};
+    if (amx) {
+        memset(xk + m * jb.nk, 0, sizeof(xk_t) * (size_t)((mk - m) * jb.nk));
+        memset(xa + m * jb.nk * 256, 0, (size_t)((mk - m) * jb.nk * 256));
+    }
+    const quant_t q = {x, K, xk, xg, xa, jb.path};
     run_rows(m, ROW_CHUNK, quantize_part, &q, nthreads);
     jb.xk = xk;
     jb.xg = xg;
+    jb.xa = xa;
     /* Columns per chunk: enough work per chunk to amortize the hand-out, enough chunks
      * to balance the threads; even, so that two-column tiles stay whole. Results do not
      * depend on it. */
@@ -1410,11 +1591,13 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
         if (capc < 4) capc = 4;
         if (cc > capc) cc = capc + (capc & 1);
     }
+    if (amx) cc = (cc + 15) / 16 * 16; /* whole AMX column groups */
     jb.chunk_cols = cc;
     jb.nchunks = (col + cc - 1) / cc;
     pool_run(&jb, nthreads);
     free(xk);
     free(xg);
+    free(xa);
     return 0;
 }
 
