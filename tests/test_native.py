@@ -198,14 +198,17 @@ def test_wide_tiles_equal_rows_alone(ggml_type: int) -> None:
 @pytest.mark.skipif(
     not native.available() or not native.has_amx(), reason="this CPU (or OS) has no AMX-INT8 tiles"
 )
+@pytest.mark.parametrize("ggml_type", [native.Q4_K, native.Q6_K], ids=["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("k", [7 * 256, 35 * 256], ids=["7-blocks", "35-blocks"])
-def test_amx_tiles_equal_rows_alone(k: int) -> None:
-    """Prefill's Q4_K matmuls on AMX tiles (the amx_tiles knob) are bitwise the rows alone
-    and the VNNI tiles: 71 columns (four 16-column groups and 7 left to the VNNI tiles),
-    rows that do and do not fill 16-row tiles, passes too short for the tiles (16 rows),
-    with rows_outer's spans on and off for the leftover columns."""
-    settings = [{"amx_tiles": 0}] + [{"amx_tiles": 1, "rows_outer": b} for b in (320 * 4, 1 << 20)]
-    _equal_rows_alone_under_knobs(native.Q4_K, 71, k, 19, settings, (16, 31, 32, 37, 64, 100))
+def test_amx_tiles_equal_rows_alone(ggml_type: int, k: int) -> None:
+    """Prefill's K-quant matmuls on AMX tiles (the amx_tiles knob: 1 Q4_K's, 2 Q6_K's
+    too) are bitwise the rows alone and the VNNI tiles: 71 columns (four 16-column groups
+    and 7 left to the VNNI tiles), rows that do and do not fill 16-row tiles, passes too
+    short for the tiles (16 rows), with rows_outer's spans on and off for the leftover
+    columns."""
+    settings = [{"amx_tiles": 0}]
+    settings += [{"amx_tiles": a, "rows_outer": b} for a in (1, 2) for b in (320 * 4, 1 << 20)]
+    _equal_rows_alone_under_knobs(ggml_type, 71, k, 19, settings, (16, 31, 32, 37, 64, 100))
 
 
 @pytest.mark.skipif(
@@ -221,30 +224,35 @@ def test_amx_tiles_beside_other_parts() -> None:
     x = torch.randn(45, k, generator=torch.Generator().manual_seed(41))
     before = native.tuning()["amx_tiles"]
     try:
-        native.tune("amx_tiles", 1)
-        fused = native.NativeMatrix(parts, k).matmul(x)
-        single = torch.cat([native.NativeMatrix([p], k).matmul(x) for p in parts], dim=1)
         native.tune("amx_tiles", 0)
         off = native.NativeMatrix(parts, k).matmul(x)
+        for amx in (1, 2):
+            native.tune("amx_tiles", amx)
+            fused = native.NativeMatrix(parts, k).matmul(x)
+            single = torch.cat([native.NativeMatrix([p], k).matmul(x) for p in parts], dim=1)
+            assert torch.equal(fused, single), amx
+            assert torch.equal(fused, off), amx
     finally:
         native.tune("amx_tiles", before)
-    assert torch.equal(fused, single)
-    assert torch.equal(fused, off)
 
 
 def test_amx_knob_says_when_the_cpu_lacks_tiles() -> None:
-    """amx_tiles=1 is taken where the CPU and OS offer AMX-INT8 and refused with a clear
-    error elsewhere (the knob keeps its value); 0 is always taken."""
+    """amx_tiles=1 is taken where the CPU and OS offer AMX-INT8 (the load line then says
+    avx512vnni+amx) and refused with a clear error elsewhere (the knob keeps its value); 0
+    is always taken, 3 never."""
     before = native.tuning()["amx_tiles"]
     try:
         native.tune("amx_tiles", 0)
         if native.has_amx():
             assert native.tune("amx_tiles", 1) == 0
             assert native.tuning()["amx_tiles"] == 1
+            assert native.kernel_label() == "avx512vnni+amx"
         else:
             with pytest.raises(ValueError, match="amx_tiles=1: this CPU .* no AMX-INT8 tiles"):
                 native.tune("amx_tiles", 1)
             assert native.tuning()["amx_tiles"] == 0
+        with pytest.raises(ValueError, match="amx_tiles=3: out of the range"):
+            native.tune("amx_tiles", 3)
     finally:
         native.tune("amx_tiles", before)
 
@@ -468,7 +476,7 @@ def test_auto_dtype_is_the_native_path_for_gguf_files(capsys) -> None:  # type: 
     argv = ["generate", "x", "--target", "smollm2-135m-instruct", "--method", "none"]
     assert main([*argv, "--max-tokens", "2", "--ignore-eos"]) == 0
     err = capsys.readouterr().err
-    assert f"gguf, native {native.active_path()} kernels" in err, err
+    assert f"gguf, native {native.kernel_label()} kernels" in err, err
     assert main(["models", "list"]) == 0
     assert "runs each file's quantized blocks on the native" in capsys.readouterr().out
 

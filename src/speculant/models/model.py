@@ -213,7 +213,7 @@ def _load_path(
                 f"use one of {', '.join(d for d in DTYPE_NAMES if d != 'gguf')}"
             )
         if native.available():
-            kernels = f", native {native.active_path()} kernels"
+            kernels = f", native {native.kernel_label()} kernels"
         else:
             dtype, quant = QUANTIZED["int8"], "int8"
             if progress:

@@ -200,6 +200,15 @@ def tune(knob: str, value: int) -> int:
     return old
 
 
+def kernel_label() -> str:
+    """The active path's name, with '+amx' where prefill's matmuls take AMX tiles (the
+    VNNI path with the `amx_tiles` knob on, its default where the CPU has them)."""
+    name = active_path()
+    if name == "avx512vnni" and tuning()["amx_tiles"] > 0:
+        return name + "+amx"
+    return name
+
+
 def has_amx() -> bool:
     """Whether this CPU has AMX-INT8 tiles that this process may use (the `amx_tiles`
     knob)."""

@@ -715,7 +715,10 @@ static int g_attn_pairs = 1; /* attention of several rows: rows in pairs (attend
  * 64 rows 0.80x of the time. */
 static int g_wide_tiles = -1;
 static int g_wide_rows = 8; /* rows of a kq_wide tile, 1..WIDE_ROWS */
-static int g_amx_tiles = -1; /* AMX tiles for prefill's Q4_K matmuls (amx_q4k_run) */
+/* AMX tiles for prefill's matmuls (amx_run): 0 off, 1 Q4_K's (the default where the CPU
+ * has them), 2 Q6_K's too (a 1,170-token prefill measured no faster: 0.70x against
+ * 0.66x of the time without tiles, within this Xeon's noise) */
+static int g_amx_tiles = -1;
 static int g_wide_min_rows = 3; /* passes of fewer rows keep kq_tile's one-column tiles (on a
                                  * Xeon, 2 rows: 1.02x; 3 rows: 0.96x of their time) */
 
@@ -1045,6 +1048,21 @@ AMXF static void amx_q4k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t
     }
 }
 
+/* Rows r0 .. r0 + 15 (those of the pass) of columns c .. c + 15 from their 8 lanes'
+ * accumulators accs[lane][row][column], added in hsum8's order, 16 columns at once. */
+AMXF static void amx_store_sums(const job_t *jb, const part_t *p, int64_t c, int64_t r0,
+                                float accs[8][16][16]) {
+    const int64_t R = jb->m - r0 < 16 ? jb->m - r0 : 16;
+    for (int64_t r = 0; r < R; r++) {
+        const __m512 s0 = _mm512_add_ps(_mm512_load_ps(accs[0][r]), _mm512_load_ps(accs[4][r]));
+        const __m512 s2 = _mm512_add_ps(_mm512_load_ps(accs[2][r]), _mm512_load_ps(accs[6][r]));
+        const __m512 s1 = _mm512_add_ps(_mm512_load_ps(accs[1][r]), _mm512_load_ps(accs[5][r]));
+        const __m512 s3 = _mm512_add_ps(_mm512_load_ps(accs[3][r]), _mm512_load_ps(accs[7][r]));
+        _mm512_storeu_ps(jb->y + (r0 + r) * jb->ldy + p->col0 + c,
+                         _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3)));
+    }
+}
+
 AMXF static void amx_q4k_tiles(const job_t *jb, const part_t *p, int64_t c, const uint8_t *codes,
                                const float *dsc, const float *dmn) {
     const int64_t nk = jb->nk, m = jb->m;
@@ -1073,22 +1091,97 @@ AMXF static void amx_q4k_tiles(const job_t *jb, const part_t *p, int64_t c, cons
             }
             for (int r = 0; r < 16; r++) _mm512_store_ps(accs[l][r], acc[r]);
         }
-        const int64_t R = m - r0 < 16 ? m - r0 : 16;
-        for (int64_t r = 0; r < R; r++) {
-            const __m512 s0 = _mm512_add_ps(_mm512_load_ps(accs[0][r]), _mm512_load_ps(accs[4][r]));
-            const __m512 s2 = _mm512_add_ps(_mm512_load_ps(accs[2][r]), _mm512_load_ps(accs[6][r]));
-            const __m512 s1 = _mm512_add_ps(_mm512_load_ps(accs[1][r]), _mm512_load_ps(accs[5][r]));
-            const __m512 s3 = _mm512_add_ps(_mm512_load_ps(accs[3][r]), _mm512_load_ps(accs[7][r]));
-            /* hsum8's ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), 16 columns at once */
-            _mm512_storeu_ps(jb->y + (r0 + r) * jb->ldy + p->col0 + c,
-                             _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3)));
+        amx_store_sums(jb, p, c, r0, accs);
+    }
+}
+
+/* Q6_K's tiles: a sub-block is 16 values with its own int8 scale, so each tile
+ * multiply-add covers 16 codes (4 rows of 16 columns' 4); lane l of kq_tile's sums
+ * holds sub-blocks l and l + 8 (registers t < 4 and t >= 4, word l), scaled as integers
+ * there, less 32 x the row's code sums of sub-blocks 2l, 2l + 1 times their scales: the
+ * same integers here, two tiles' sums at a time. Codes [nk][16 sub-blocks][4][16][4],
+ * then per (block, l) the 16 columns' scales l and l + 8 (int32), their scales 2l, 2l + 1
+ * as an int16 pair, and per block d. */
+#define AMX_Q6_SUB_BYTES 256
+AMXF static void amx_q6k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes, int32_t *sc_l,
+                                 int32_t *sc_h, int32_t *sc_pair, float *dv) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x3);
+    for (int64_t u = 0; u < nk; u++) {
+        for (int n = 0; n < 16; n++) {
+            const uint8_t *b = p->w + (c + n) * p->row_bytes + u * p->unit_bytes;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            for (int l = 0; l < 8; l++) {
+                sc_l[(u * 8 + l) * 16 + n] = sc[l];
+                sc_h[(u * 8 + l) * 16 + n] = sc[l + 8];
+                sc_pair[(u * 8 + l) * 16 + n] = (int32_t)(((uint32_t)(uint16_t)(int16_t)sc[2 * l + 1] << 16) |
+                                                          (uint16_t)(int16_t)sc[2 * l]);
+            }
+            dv[u * 16 + n] = h2f(rd16(b + 208));
+            uint32_t reg[8][8]; /* register t's 8 words */
+            for (int t = 0; t < 8; t++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 * (t & 3)));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (t >> 2)));
+                const __m256i lo4 = t < 4 ? _mm256_and_si256(q, m4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                const __m256i hi2 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * (t & 3))), m3);
+                _mm256_storeu_si256((__m256i *)reg[t], _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)));
+            }
+            uint8_t *o = codes + u * 16 * AMX_Q6_SUB_BYTES + 4 * n;
+            for (int s = 0; s < 16; s++)
+                for (int t = 0; t < 4; t++) memcpy(o + s * AMX_Q6_SUB_BYTES + t * 64, &reg[t + 4 * (s >> 3)][s & 7], 4);
         }
     }
 }
 
-AMXF static void amx_q4k_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
+AMXF static void amx_q6k_tiles(const job_t *jb, const part_t *p, int64_t c, const uint8_t *codes,
+                               const int32_t *sc_l, const int32_t *sc_h, const int32_t *sc_pair,
+                               const float *dv) {
+    const int64_t nk = jb->nk, m = jb->m;
+    int32_t cb0[16][16] __attribute__((aligned(64))), cb1[16][16] __attribute__((aligned(64)));
+    float accs[8][16][16] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int8_t *xa = jb->xa + r0 * nk * 256;
+        const xk_t *xr = jb->xk + r0 * nk; /* padded to 16 rows, as xa */
+        for (int l = 0; l < 8; l++) {
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t u = 0; u < nk; u++) {
+                _tile_loadd(2, xa + u * 256 + 16 * l, nk * 256);
+                _tile_loadd(3, xa + u * 256 + 16 * (l + 8), nk * 256);
+                _tile_loadd(4, codes + (u * 16 + l) * AMX_Q6_SUB_BYTES, 64);
+                _tile_loadd(5, codes + (u * 16 + l + 8) * AMX_Q6_SUB_BYTES, 64);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_dpbsud(0, 2, 4);
+                _tile_dpbsud(1, 3, 5);
+                _tile_stored(0, cb0, 64);
+                _tile_stored(1, cb1, 64);
+                const int64_t at = (u * 8 + l) * 16;
+                const __m512i sl = _mm512_loadu_si512(sc_l + at), sh = _mm512_loadu_si512(sc_h + at);
+                const __m512i sp = _mm512_loadu_si512(sc_pair + at);
+                const __m512 d = _mm512_loadu_ps(dv + u * 16);
+                for (int r = 0; r < 16; r++) {
+                    const xk_t *xb = xr + r * nk + u;
+                    int32_t pair;
+                    memcpy(&pair, xb->bsums + 2 * l, 4);
+                    const __m512i bs = _mm512_madd_epi16(_mm512_set1_epi32(pair), sp);
+                    __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(cb0[r]), sl),
+                                                   _mm512_mullo_epi32(_mm512_load_si512(cb1[r]), sh));
+                    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(bs, 5));
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), d), _mm512_set1_ps(xb->d), acc[r]);
+                }
+            }
+            for (int r = 0; r < 16; r++) _mm512_store_ps(accs[l][r], acc[r]);
+        }
+        amx_store_sums(jb, p, c, r0, accs);
+    }
+}
+
+AMXF static void amx_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, const tile_set *ts) {
     const int64_t nk = jb->nk, g1 = c0 + (c1 - c0) / 16 * 16;
-    const int64_t need = nk * 8 * (AMX_SUB_BYTES + 2 * 16 * (int64_t)sizeof(float));
+    const int q6 = p->type == T_Q6_K;
+    /* codes 4 KiB a block either way; Q4_K's scales 2 x 8 x 16 floats, Q6_K's 3 x 8 x 16
+     * int32 and 16 floats */
+    const int64_t need = nk * (8 * AMX_SUB_BYTES + (q6 ? 3 * 8 * 16 + 16 : 2 * 8 * 16) * 4);
     if (g1 > c0 && t_amx_bytes < need) {
         free(t_amx_scratch);
         t_amx_scratch = aligned_alloc(64, (size_t)need);
@@ -1098,15 +1191,27 @@ AMXF static void amx_q4k_run(const job_t *jb, const part_t *p, int64_t c0, int64
         amx_cfg_t cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
-        cfg.rows[0] = 16, cfg.colsb[0] = 64; /* sums: 16 rows x 16 columns */
-        cfg.rows[1] = 16, cfg.colsb[1] = 32; /* activations: 16 rows x a sub-block's 32 codes */
-        cfg.rows[2] = 8, cfg.colsb[2] = 64;  /* codes: 8 x 16 columns x 4 */
+        if (q6) { /* sums 16 rows x 16 columns; activations 16 rows x 16 codes; codes 4 x 16 x 4 */
+            cfg.rows[0] = cfg.rows[1] = 16, cfg.colsb[0] = cfg.colsb[1] = 64;
+            cfg.rows[2] = cfg.rows[3] = 16, cfg.colsb[2] = cfg.colsb[3] = 16;
+            cfg.rows[4] = cfg.rows[5] = 4, cfg.colsb[4] = cfg.colsb[5] = 64;
+        } else { /* sums 16 rows x 16 columns; activations 16 rows x 32 codes; codes 8 x 16 x 4 */
+            cfg.rows[0] = 16, cfg.colsb[0] = 64;
+            cfg.rows[1] = 16, cfg.colsb[1] = 32;
+            cfg.rows[2] = 8, cfg.colsb[2] = 64;
+        }
         _tile_loadconfig(&cfg);
         uint8_t *codes = t_amx_scratch;
-        float *dsc = (float *)(codes + nk * 8 * AMX_SUB_BYTES), *dmn = dsc + nk * 8 * 16;
+        float *f = (float *)(codes + nk * 8 * AMX_SUB_BYTES);
+        int32_t *i = (int32_t *)f;
         for (int64_t c = c0; c < g1; c += 16) {
-            amx_q4k_columns(p, c, nk, codes, dsc, dmn);
-            amx_q4k_tiles(jb, p, c, codes, dsc, dmn);
+            if (q6) {
+                amx_q6k_columns(p, c, nk, codes, i, i + nk * 128, i + nk * 256, f + nk * 384);
+                amx_q6k_tiles(jb, p, c, codes, i, i + nk * 128, i + nk * 256, f + nk * 384);
+            } else {
+                amx_q4k_columns(p, c, nk, codes, f, f + nk * 128);
+                amx_q4k_tiles(jb, p, c, codes, f, f + nk * 128);
+            }
         }
         _tile_release();
         c0 = g1;
@@ -1135,8 +1240,8 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
     const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
     if (!one_col && g_rows_outer && jb->m >= RO_MIN_ROWS && is_kquant(p->type)) {
 #ifdef SPEC_AMX
-        if (jb->xa && p->type == T_Q4_K) {
-            amx_q4k_run(jb, p, c0, c1, ts);
+        if (jb->xa && (p->type == T_Q4_K || g_amx_tiles > 1)) {
+            amx_run(jb, p, c0, c1, ts);
             return;
         }
 #endif
@@ -1195,7 +1300,8 @@ static int features(void) {
             (d >> 25 & 1) && syscall(SYS_arch_prctl, 0x1023, 18) == 0)
             f |= FEAT_AMX;
 #endif
-        if (g_amx_tiles < 0) g_amx_tiles = 0;
+        /* on where the CPU has them: a 1,170-token prefill of the 1.5B 0.65x of the time */
+        if (g_amx_tiles < 0) g_amx_tiles = (f & FEAT_AMX) ? 1 : 0;
         if (g_wide_tiles < 0) g_wide_tiles = __builtin_cpu_is("intel") ? 1 : 0;
 #else
         if (g_wide_tiles < 0) g_wide_tiles = 0;
@@ -1408,7 +1514,9 @@ int spec_tune(int knob, int value) {
     if (knob < 0 || knob >= (int)(sizeof knobs / sizeof knobs[0])) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
-    if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS)) return -2;
+    if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS) ||
+        (knobs[knob] == &g_amx_tiles && value > 2))
+        return -2;
     if (knobs[knob] == &g_amx_tiles && value > 0 && !(g_features & FEAT_AMX)) return -3;
     *knobs[knob] = value;
     return old;
@@ -1546,7 +1654,7 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
     int8_t *xa = NULL;
     /* AMX tiles take 16 rows at a time: their activations padded with zero rows */
     int amx = 0;
-    for (int i = 0; i < nparts; i++) amx |= types[i] == T_Q4_K && amx_for(jb.path, m);
+    for (int i = 0; i < nparts; i++) amx |= (types[i] == T_Q4_K || (types[i] == T_Q6_K && g_amx_tiles > 1)) && amx_for(jb.path, m);
     const int64_t mk = amx ? (m + 15) / 16 * 16 : m;
     if (needk) xk = aligned_alloc(64, sizeof(xk_t) * (size_t)(mk * jb.nk));
     if (needg) xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
