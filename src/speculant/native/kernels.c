@@ -1020,28 +1020,62 @@ static __thread int64_t t_amx_bytes;
  * codes [nk][8 sub-blocks][8][16][4] (row t of sub-block l: value 4t .. 4t + 3 of it,
  * which the repacked unit holds in word l of its register t: the low nibbles of register
  * t < 4, the high ones of register t - 4), then d * scale and dmin * min [nk][8][16]. */
+/* r[i] <- word i of every r[j] (an 8 x 8 transpose of 32-bit words): r[i] word j is then
+ * the old r[j] word i */
+AMXF static inline void transpose8_words(__m256i r[8]) {
+    __m256i t[8], q[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        q[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        q[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        q[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        q[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(q[i], q[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(q[i], q[i + 4], 0x31);
+    }
+}
+
 AMXF static void amx_q4k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes, float *dsc,
                                  float *dmn) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int64_t u = 0; u < nk; u++) { /* a block's 4 KiB of codes in L1 while its columns come */
-        for (int n = 0; n < 16; n++) {
-            const uint8_t *b = p->w + (c + n) * p->row_bytes + u * p->unit_bytes;
-            uint64_t sc8, mn8;
-            q4k_scales8(b + 4, &sc8, &mn8);
-            const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
+        uint8_t *o = codes + u * 8 * AMX_SUB_BYTES;
+        for (int h = 0; h < 2; h++) { /* columns c + 8h .. c + 8h + 7 */
+            const uint8_t *b[8];
+            __m256i ds[8], dm[8];
+            for (int i = 0; i < 8; i++) {
+                b[i] = p->w + (c + 8 * h + i) * p->row_bytes + u * p->unit_bytes;
+                uint64_t sc8, mn8;
+                q4k_scales8(b[i] + 4, &sc8, &mn8);
+                /* lane l: d * scale l and dmin * min l, each one rounding of exact values */
+                ds[i] = _mm256_castps_si256(_mm256_mul_ps(
+                    _mm256_set1_ps(h2f(rd16(b[i]))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)))));
+                dm[i] = _mm256_castps_si256(_mm256_mul_ps(
+                    _mm256_set1_ps(h2f(rd16(b[i] + 2))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8)))));
+            }
+            transpose8_words(ds);
+            transpose8_words(dm);
             for (int l = 0; l < 8; l++) {
-                dsc[(u * 8 + l) * 16 + n] = d * (float)(int)((sc8 >> (8 * l)) & 0xFF);
-                dmn[(u * 8 + l) * 16 + n] = dmin * (float)(int)((mn8 >> (8 * l)) & 0xFF);
+                _mm256_storeu_si256((__m256i *)(dsc + (u * 8 + l) * 16 + 8 * h), ds[l]);
+                _mm256_storeu_si256((__m256i *)(dmn + (u * 8 + l) * 16 + 8 * h), dm[l]);
             }
             for (int t = 0; t < 4; t++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * t));
-                uint32_t lo[8], hi[8];
-                _mm256_storeu_si256((__m256i *)lo, _mm256_and_si256(q, m4));
-                _mm256_storeu_si256((__m256i *)hi, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-                uint8_t *o = codes + u * 8 * AMX_SUB_BYTES + 4 * n;
+                __m256i lo[8], hi[8];
+                for (int i = 0; i < 8; i++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(b[i] + 16 + 32 * t));
+                    lo[i] = _mm256_and_si256(q, m4);
+                    hi[i] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                }
+                transpose8_words(lo); /* lo[l]: word l (sub-block l's 4 codes) of the 8 columns */
+                transpose8_words(hi);
                 for (int l = 0; l < 8; l++) {
-                    memcpy(o + l * AMX_SUB_BYTES + t * 64, &lo[l], 4);
-                    memcpy(o + l * AMX_SUB_BYTES + (t + 4) * 64, &hi[l], 4);
+                    _mm256_storeu_si256((__m256i *)(o + l * AMX_SUB_BYTES + t * 64 + 32 * h), lo[l]);
+                    _mm256_storeu_si256((__m256i *)(o + l * AMX_SUB_BYTES + (t + 4) * 64 + 32 * h), hi[l]);
                 }
             }
         }
@@ -1592,9 +1626,9 @@ int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int 
  * (xg) where wanted: each row by itself (the same bits whoever quantizes it), so a pass
  * of many rows (a prefill) shares the rows out over the threads. */
 /* whether a pass of m rows of K-quant parts takes amx_q4k_run for its Q4_K parts */
-#define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once: at 16-24 rows that
-                         * cost more than the tiles saved (Xeon, 8960 x 1536: 1.34-1.45x the
-                         * time), at 32 rows about even, at 64 0.65-0.75x */
+#define AMX_MIN_ROWS 16 /* a pass's columns are laid out for the tiles once, which fewer rows
+                         * share (Xeon, 8960 x 1536 and 1536 x 8960: 16 rows 0.95x the time,
+                         * 24 rows 0.89-0.98x, 32 rows 0.76x, 64 rows 0.61x) */
 static inline int amx_for(int path, int64_t m) {
     return g_amx_tiles > 0 && (g_features & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS &&
            m >= RO_MIN_ROWS && g_rows_outer;
