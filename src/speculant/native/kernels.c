@@ -1141,27 +1141,38 @@ AMXF static void amx_q6k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t
                                  int32_t *sc_h, int32_t *sc_pair, float *dv) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x3);
     for (int64_t u = 0; u < nk; u++) {
-        for (int n = 0; n < 16; n++) {
-            const uint8_t *b = p->w + (c + n) * p->row_bytes + u * p->unit_bytes;
-            const int8_t *sc = (const int8_t *)(b + 192);
+        for (int h = 0; h < 2; h++) { /* columns c + 8h .. c + 8h + 7 */
+            const uint8_t *b[8];
+            __m256i sl[8], sh[8], sp[8];
+            for (int i = 0; i < 8; i++) {
+                b[i] = p->w + (c + 8 * h + i) * p->row_bytes + u * p->unit_bytes;
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(b[i] + 192));
+                sl[i] = _mm256_cvtepi8_epi32(sc);                        /* lane l: scale l */
+                sh[i] = _mm256_cvtepi8_epi32(_mm_unpackhi_epi64(sc, sc)); /* scale l + 8 */
+                sp[i] = _mm256_cvtepi8_epi16(sc); /* word l: scales 2l, 2l + 1 as int16 */
+                dv[u * 16 + 8 * h + i] = h2f(rd16(b[i] + 208));
+            }
+            transpose8_words(sl);
+            transpose8_words(sh);
+            transpose8_words(sp);
             for (int l = 0; l < 8; l++) {
-                sc_l[(u * 8 + l) * 16 + n] = sc[l];
-                sc_h[(u * 8 + l) * 16 + n] = sc[l + 8];
-                sc_pair[(u * 8 + l) * 16 + n] = (int32_t)(((uint32_t)(uint16_t)(int16_t)sc[2 * l + 1] << 16) |
-                                                          (uint16_t)(int16_t)sc[2 * l]);
+                _mm256_storeu_si256((__m256i *)(sc_l + (u * 8 + l) * 16 + 8 * h), sl[l]);
+                _mm256_storeu_si256((__m256i *)(sc_h + (u * 8 + l) * 16 + 8 * h), sh[l]);
+                _mm256_storeu_si256((__m256i *)(sc_pair + (u * 8 + l) * 16 + 8 * h), sp[l]);
             }
-            dv[u * 16 + n] = h2f(rd16(b + 208));
-            uint32_t reg[8][8]; /* register t's 8 words */
-            for (int t = 0; t < 8; t++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 * (t & 3)));
-                const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (t >> 2)));
-                const __m256i lo4 = t < 4 ? _mm256_and_si256(q, m4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                const __m256i hi2 = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * (t & 3))), m3);
-                _mm256_storeu_si256((__m256i *)reg[t], _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4)));
+            for (int t = 0; t < 8; t++) { /* register t: sub-blocks l (t < 4) or l + 8 */
+                __m256i r[8];
+                for (int i = 0; i < 8; i++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(b[i] + 32 * (t & 3)));
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(b[i] + 128 + 32 * (t >> 2)));
+                    const __m256i lo4 = t < 4 ? _mm256_and_si256(q, m4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    const __m256i hi2 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * (t & 3))), m3);
+                    r[i] = _mm256_or_si256(lo4, _mm256_slli_epi16(hi2, 4));
+                }
+                transpose8_words(r); /* r[l]: word l of register t of the 8 columns */
+                uint8_t *o = codes + (u * 16 + 8 * (t >> 2)) * AMX_Q6_SUB_BYTES + (t & 3) * 64 + 32 * h;
+                for (int l = 0; l < 8; l++) _mm256_storeu_si256((__m256i *)(o + l * AMX_Q6_SUB_BYTES), r[l]);
             }
-            uint8_t *o = codes + u * 16 * AMX_Q6_SUB_BYTES + 4 * n;
-            for (int s = 0; s < 16; s++)
-                for (int t = 0; t < 4; t++) memcpy(o + s * AMX_Q6_SUB_BYTES + t * 64, &reg[t + 4 * (s >> 3)][s & 7], 4);
         }
     }
 }
