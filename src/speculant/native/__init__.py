@@ -185,8 +185,9 @@ def tune(knob: str, value: int) -> int:
     the column loop, columns a span at a time where a tile's activations pass this many
     bytes; `wide_tiles` (1 on, 0 off; on by default on Intel CPUs): K-quant tiles of two
     columns in 512-bit registers on the VNNI path, for passes of at least `wide_min_rows`
-    rows, `wide_rows` (1-8) rows a tile in a pass of many rows; `amx_tiles` (1 on, 0 off;
-    only where `has_amx()`): prefill's Q4_K matmuls on AMX tiles."""
+    rows, `wide_rows` (1-8) rows a tile in a pass of many rows; `amx_tiles` (only where
+    `has_amx()`; 1, the default there: prefill's Q4_K matmuls on AMX tiles, 2: Q6_K's
+    too, 0 off)."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]

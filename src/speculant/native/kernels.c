@@ -991,7 +991,7 @@ static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t
     }
 }
 
-/* Prefill's Q4_K matmuls on AMX tiles: a tile multiply-add of 16 rows' activations by 16
+/* Prefill's Q4_K matmuls on AMX tiles (and Q6_K's with amx_tiles=2, below): a tile multiply-add of 16 rows' activations by 16
  * columns' codes over one 32-value sub-block gives the 16 x 16 integer sums kq_tile's
  * vpdpbusd lanes form (exact integers, in any order), and each sum then takes kq_tile's
  * own float step (times d * scale, less the row's code sum times dmin * min, times the
@@ -1015,11 +1015,12 @@ typedef struct {
 #define AMX_SUB_BYTES 512 /* one sub-block's codes of 16 columns: 8 rows x 16 columns x 4 */
 static __thread uint8_t *t_amx_scratch;
 static __thread int64_t t_amx_bytes;
+static void amx_free_scratch(void) { /* a pool worker's, as it ends */
+    free(t_amx_scratch);
+    t_amx_scratch = NULL;
+    t_amx_bytes = 0;
+}
 
-/* Columns c .. c + 15's codes and scales over nk blocks, as amx_q4k_run reads them:
- * codes [nk][8 sub-blocks][8][16][4] (row t of sub-block l: value 4t .. 4t + 3 of it,
- * which the repacked unit holds in word l of its register t: the low nibbles of register
- * t < 4, the high ones of register t - 4), then d * scale and dmin * min [nk][8][16]. */
 /* r[i] <- word i of every r[j] (an 8 x 8 transpose of 32-bit words): r[i] word j is then
  * the old r[j] word i */
 AMXF static inline void transpose8_words(__m256i r[8]) {
@@ -1040,6 +1041,10 @@ AMXF static inline void transpose8_words(__m256i r[8]) {
     }
 }
 
+/* Columns c .. c + 15's codes and scales over nk blocks, as amx_q4k_tiles reads them:
+ * codes [nk][8 sub-blocks][8][16][4] (row t of sub-block l: value 4t .. 4t + 3 of it,
+ * which the repacked unit holds in word l of its register t: the low nibbles of register
+ * t < 4, the high ones of register t - 4), then d * scale and dmin * min [nk][8][16]. */
 AMXF static void amx_q4k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes, float *dsc,
                                  float *dmn) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
@@ -1345,12 +1350,13 @@ static int features(void) {
             (d >> 25 & 1) && syscall(SYS_arch_prctl, 0x1023, 18) == 0)
             f |= FEAT_AMX;
 #endif
-        /* on where the CPU has them: a 1,170-token prefill of the 1.5B 0.65x of the time */
-        if (g_amx_tiles < 0) g_amx_tiles = (f & FEAT_AMX) ? 1 : 0;
         if (g_wide_tiles < 0) g_wide_tiles = __builtin_cpu_is("intel") ? 1 : 0;
 #else
         if (g_wide_tiles < 0) g_wide_tiles = 0;
 #endif
+        /* on where the CPU has them: a 1,170-token prefill of the 1.5B 0.66-0.72x of the
+         * time on a Xeon */
+        if (g_amx_tiles < 0) g_amx_tiles = (f & FEAT_AMX) ? 1 : 0;
         g_features = f;
     }
     return g_features;
@@ -1458,7 +1464,12 @@ static void *worker_main(void *arg) {
                 break;
             }
         }
-        if (pool.quit) return NULL;
+        if (pool.quit) {
+#ifdef SPEC_AMX
+            amx_free_scratch();
+#endif
+            return NULL;
+        }
         seen = atomic_load(&pool.gen);
         work(pool.job);
         atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
@@ -1545,9 +1556,9 @@ int spec_active_path(void) { return resolve_path(); }
  * thread, 3 the most columns in a chunk, 4 attention takes query rows in pairs (1) or one
  * at a time (0), 5-7 spans (spans_run): blocks of a span (0: no spans), columns of a
  * group, pieces prefetched ahead, 8 rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on,
- * rows a tile, fewest rows), 12 AMX tiles for prefill's Q4_K matmuls. A value of -1 only
- * reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the knob's
- * range, -3 for AMX tiles asked of a CPU (or OS) without them. */
+ * rows a tile, fewest rows), 12 AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too). A
+ * value of -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value
+ * out of the knob's range, -3 for AMX tiles asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
@@ -1555,7 +1566,7 @@ int spec_tune(int knob, int value) {
                                  &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows,
                                  &g_amx_tiles};
     static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0};
-    features(); /* resolves g_wide_tiles' default */
+    features(); /* resolves g_wide_tiles' and g_amx_tiles' defaults */
     if (knob < 0 || knob >= (int)(sizeof knobs / sizeof knobs[0])) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
