@@ -154,7 +154,7 @@ def measure_models(
     def row(v: Variant) -> dict[str, Any]:
         i, path, threads = v
         if _native(models[i]):
-            kernel = path or native.active_path()
+            kernel = path or native.kernel_label()
             used = threads if threads is not None else _DEFAULT_THREADS
         else:
             kernel = "torch"

@@ -1648,9 +1648,10 @@ int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int 
  * (xg) where wanted: each row by itself (the same bits whoever quantizes it), so a pass
  * of many rows (a prefill) shares the rows out over the threads. */
 /* whether a pass of m rows of K-quant parts takes amx_q4k_run for its Q4_K parts */
-#define AMX_MIN_ROWS 16 /* a pass's columns are laid out for the tiles once, which fewer rows
-                         * share (Xeon, 8960 x 1536 and 1536 x 8960: 16 rows 0.95x the time,
-                         * 24 rows 0.89-0.98x, 32 rows 0.76x, 64 rows 0.61x) */
+#define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
+                         * share: on a Xeon the 1.5B's whole passes after a 64-token context
+                         * took 1.02x the time at 16 and 24 rows, 0.92x at 32, 0.84x at 48
+                         * (one 8960 x 1536 matrix: 16 rows 0.95x, 32 rows 0.76x) */
 static inline int amx_for(int path, int64_t m) {
     return g_amx_tiles > 0 && (g_features & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS &&
            m >= RO_MIN_ROWS && g_rows_outer;
