@@ -1573,7 +1573,7 @@ int spec_tune(int knob, int value) {
     if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS) ||
         (knobs[knob] == &g_amx_tiles && value > 2))
         return -2;
-    if (knobs[knob] == &g_amx_tiles && value > 0 && !(g_features & FEAT_AMX)) return -3;
+    if (knobs[knob] == &g_amx_tiles && value > 0 && !(features() & FEAT_AMX)) return -3;
     *knobs[knob] = value;
     return old;
 }
@@ -1653,7 +1653,7 @@ int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int 
                          * took 1.02x the time at 16 and 24 rows, 0.92x at 32, 0.84x at 48
                          * (one 8960 x 1536 matrix: 16 rows 0.95x, 32 rows 0.76x) */
 static inline int amx_for(int path, int64_t m) {
-    return g_amx_tiles > 0 && (g_features & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS &&
+    return g_amx_tiles > 0 && (features() & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS &&
            m >= RO_MIN_ROWS && g_rows_outer;
 }
 
