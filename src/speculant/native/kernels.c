@@ -1041,7 +1041,7 @@ AMXF static inline void transpose8_words(__m256i r[8]) {
     }
 }
 
-/* Columns c .. c + 15's codes and scales over nk blocks, as amx_q4k_tiles reads them:
+/* Columns c .. c + 15's codes and scales over nk blocks, as amx_tiles reads them:
  * codes [nk][8 sub-blocks][8][16][4] (row t of sub-block l: value 4t .. 4t + 3 of it,
  * which the repacked unit holds in word l of its register t: the low nibbles of register
  * t < 4, the high ones of register t - 4), then d * scale and dmin * min [nk][8][16]. */
@@ -1102,38 +1102,6 @@ AMXF static void amx_store_sums(const job_t *jb, const part_t *p, int64_t c, int
     }
 }
 
-AMXF static void amx_q4k_tiles(const job_t *jb, const part_t *p, int64_t c, const uint8_t *codes,
-                               const float *dsc, const float *dmn) {
-    const int64_t nk = jb->nk, m = jb->m;
-    int32_t cbuf[16][16] __attribute__((aligned(64)));
-    float accs[8][16][16] __attribute__((aligned(64)));
-    for (int64_t r0 = 0; r0 < m; r0 += 16) {
-        const int8_t *xa = jb->xa + r0 * nk * 256;
-        const xk_t *xr = jb->xk + r0 * nk; /* padded to 16 rows, as xa */
-        for (int l = 0; l < 8; l++) {
-            __m512 acc[16];
-            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t u = 0; u < nk; u++) {
-                _tile_loadd(1, xa + u * 256 + 32 * l, nk * 256);
-                _tile_loadd(2, codes + (u * 8 + l) * AMX_SUB_BYTES, 64);
-                _tile_zero(0);
-                _tile_dpbsud(0, 1, 2);
-                _tile_stored(0, cbuf, 64);
-                const __m512 ds = _mm512_loadu_ps(dsc + (u * 8 + l) * 16);
-                const __m512 dm = _mm512_loadu_ps(dmn + (u * 8 + l) * 16);
-                for (int r = 0; r < 16; r++) {
-                    const xk_t *xb = xr + r * nk + u;
-                    const __m512 v = _mm512_fnmadd_ps(_mm512_set1_ps(xb->bs32f[l]), dm,
-                                                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[r])), ds));
-                    acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xb->d), acc[r]);
-                }
-            }
-            for (int r = 0; r < 16; r++) _mm512_store_ps(accs[l][r], acc[r]);
-        }
-        amx_store_sums(jb, p, c, r0, accs);
-    }
-}
-
 /* Q6_K's tiles: a sub-block is 16 values with its own int8 scale, so each tile
  * multiply-add covers 16 codes (4 rows of 16 columns' 4); lane l of kq_tile's sums
  * holds sub-blocks l and l + 8 (registers t < 4 and t >= 4, word l), scaled as integers
@@ -1182,10 +1150,16 @@ AMXF static void amx_q6k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t
     }
 }
 
-AMXF static void amx_q6k_tiles(const job_t *jb, const part_t *p, int64_t c, const uint8_t *codes,
-                               const int32_t *sc_l, const int32_t *sc_h, const int32_t *sc_pair,
-                               const float *dv) {
+/* Rows 16 at a time over columns c .. c + 15 as amx_q4k_columns / amx_q6k_columns laid
+ * them out (scales from f): per lane l, the blocks in order into 16 rows' accumulators,
+ * a tile multiply-add per sub-block (Q6_K: two, sub-blocks l and l + 8), then the lane's
+ * step for each row (Q4_K: the float step; Q6_K: the integer scale step, then the float
+ * one), as kq_tile's lanes do. */
+AMXF __attribute__((always_inline)) static inline void amx_tiles(const job_t *jb, const part_t *p, int64_t c,
+                                                                 const uint8_t *codes, const float *f,
+                                                                 const int q6) {
     const int64_t nk = jb->nk, m = jb->m;
+    const int32_t *in = (const int32_t *)f;
     int32_t cb0[16][16] __attribute__((aligned(64))), cb1[16][16] __attribute__((aligned(64)));
     float accs[8][16][16] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < m; r0 += 16) {
@@ -1195,29 +1169,45 @@ AMXF static void amx_q6k_tiles(const job_t *jb, const part_t *p, int64_t c, cons
             __m512 acc[16];
             for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
             for (int64_t u = 0; u < nk; u++) {
-                _tile_loadd(2, xa + u * 256 + 16 * l, nk * 256);
-                _tile_loadd(3, xa + u * 256 + 16 * (l + 8), nk * 256);
-                _tile_loadd(4, codes + (u * 16 + l) * AMX_Q6_SUB_BYTES, 64);
-                _tile_loadd(5, codes + (u * 16 + l + 8) * AMX_Q6_SUB_BYTES, 64);
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_dpbsud(0, 2, 4);
-                _tile_dpbsud(1, 3, 5);
-                _tile_stored(0, cb0, 64);
-                _tile_stored(1, cb1, 64);
                 const int64_t at = (u * 8 + l) * 16;
-                const __m512i sl = _mm512_loadu_si512(sc_l + at), sh = _mm512_loadu_si512(sc_h + at);
-                const __m512i sp = _mm512_loadu_si512(sc_pair + at);
-                const __m512 d = _mm512_loadu_ps(dv + u * 16);
-                for (int r = 0; r < 16; r++) {
-                    const xk_t *xb = xr + r * nk + u;
-                    int32_t pair;
-                    memcpy(&pair, xb->bsums + 2 * l, 4);
-                    const __m512i bs = _mm512_madd_epi16(_mm512_set1_epi32(pair), sp);
-                    __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(cb0[r]), sl),
-                                                   _mm512_mullo_epi32(_mm512_load_si512(cb1[r]), sh));
-                    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(bs, 5));
-                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), d), _mm512_set1_ps(xb->d), acc[r]);
+                if (q6) {
+                    _tile_loadd(2, xa + u * 256 + 16 * l, nk * 256);
+                    _tile_loadd(3, xa + u * 256 + 16 * (l + 8), nk * 256);
+                    _tile_loadd(4, codes + (u * 16 + l) * AMX_Q6_SUB_BYTES, 64);
+                    _tile_loadd(5, codes + (u * 16 + l + 8) * AMX_Q6_SUB_BYTES, 64);
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_dpbsud(0, 2, 4);
+                    _tile_dpbsud(1, 3, 5);
+                    _tile_stored(0, cb0, 64);
+                    _tile_stored(1, cb1, 64);
+                    const __m512i sl = _mm512_loadu_si512(in + at), sh = _mm512_loadu_si512(in + nk * 128 + at);
+                    const __m512i sp = _mm512_loadu_si512(in + nk * 256 + at);
+                    const __m512 d = _mm512_loadu_ps(f + nk * 384 + u * 16);
+                    for (int r = 0; r < 16; r++) {
+                        const xk_t *xb = xr + r * nk + u;
+                        int32_t pair;
+                        memcpy(&pair, xb->bsums + 2 * l, 4);
+                        const __m512i bs = _mm512_madd_epi16(_mm512_set1_epi32(pair), sp);
+                        __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_load_si512(cb0[r]), sl),
+                                                       _mm512_mullo_epi32(_mm512_load_si512(cb1[r]), sh));
+                        sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(bs, 5));
+                        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), d), _mm512_set1_ps(xb->d),
+                                                 acc[r]);
+                    }
+                } else {
+                    _tile_loadd(1, xa + u * 256 + 32 * l, nk * 256);
+                    _tile_loadd(2, codes + (u * 8 + l) * AMX_SUB_BYTES, 64);
+                    _tile_zero(0);
+                    _tile_dpbsud(0, 1, 2);
+                    _tile_stored(0, cb0, 64);
+                    const __m512 ds = _mm512_loadu_ps(f + at), dm = _mm512_loadu_ps(f + nk * 128 + at);
+                    for (int r = 0; r < 16; r++) {
+                        const xk_t *xb = xr + r * nk + u;
+                        const __m512 v = _mm512_fnmadd_ps(_mm512_set1_ps(xb->bs32f[l]), dm,
+                                                          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb0[r])), ds));
+                        acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xb->d), acc[r]);
+                    }
                 }
             }
             for (int r = 0; r < 16; r++) _mm512_store_ps(accs[l][r], acc[r]);
@@ -1257,10 +1247,10 @@ AMXF static void amx_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c
         for (int64_t c = c0; c < g1; c += 16) {
             if (q6) {
                 amx_q6k_columns(p, c, nk, codes, i, i + nk * 128, i + nk * 256, f + nk * 384);
-                amx_q6k_tiles(jb, p, c, codes, i, i + nk * 128, i + nk * 256, f + nk * 384);
+                amx_tiles(jb, p, c, codes, f, 1);
             } else {
                 amx_q4k_columns(p, c, nk, codes, f, f + nk * 128);
-                amx_q4k_tiles(jb, p, c, codes, f, f + nk * 128);
+                amx_tiles(jb, p, c, codes, f, 0);
             }
         }
         _tile_release();
@@ -1647,11 +1637,11 @@ int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int 
 /* The activation rows of a pass, quantized for the K-quant parts (xk) and the legacy ones
  * (xg) where wanted: each row by itself (the same bits whoever quantizes it), so a pass
  * of many rows (a prefill) shares the rows out over the threads. */
-/* whether a pass of m rows of K-quant parts takes amx_q4k_run for its Q4_K parts */
 #define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
                          * share: on a Xeon the 1.5B's whole passes after a 64-token context
                          * took 1.02x the time at 16 and 24 rows, 0.92x at 32, 0.84x at 48
                          * (one 8960 x 1536 matrix: 16 rows 0.95x, 32 rows 0.76x) */
+/* whether a pass of m rows takes amx_run for its Q4_K parts (and Q6_K with amx_tiles=2) */
 static inline int amx_for(int path, int64_t m) {
     return g_amx_tiles > 0 && (features() & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS &&
            m >= RO_MIN_ROWS && g_rows_outer;
