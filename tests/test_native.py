@@ -204,8 +204,8 @@ def test_amx_tiles_equal_rows_alone(ggml_type: int, k: int) -> None:
     """Prefill's K-quant matmuls on AMX tiles (the amx_tiles knob: 1 Q4_K's, 2 Q6_K's
     too) are bitwise the rows alone and the VNNI tiles: 71 columns (four 16-column groups
     and 7 left to the VNNI tiles), rows that do and do not fill 16-row tiles, passes too
-    short for the tiles (16 rows), with rows_outer's spans on and off for the leftover
-    columns."""
+    short for the tiles (16 and 31 rows), with rows_outer's spans on and off for the
+    leftover columns."""
     settings = [{"amx_tiles": 0}]
     settings += [{"amx_tiles": a, "rows_outer": b} for a in (1, 2) for b in (320 * 4, 1 << 20)]
     _equal_rows_alone_under_knobs(ggml_type, 71, k, 19, settings, (16, 31, 32, 37, 64, 100))
@@ -216,8 +216,8 @@ def test_amx_tiles_equal_rows_alone(ggml_type: int, k: int) -> None:
 )
 def test_amx_tiles_beside_other_parts() -> None:
     """A fused projection of Q4_K parts whose columns do not start on a 16-column group
-    (after 5 Q6_K and 3 Q8_0 columns) equals its parts run one by one, AMX tiles on,
-    and the same pass with them off."""
+    (after 5 Q6_K columns, and after 58) equals its parts run one by one, AMX tiles on
+    (Q4_K's, then Q6_K's too), and the same pass with them off."""
     k = 3 * 256
     specs = [(native.Q6_K, 5), (native.Q4_K, 37), (native.Q6_K, 16), (native.Q4_K, 48)]
     parts = [(t, random_matrix(t, n, k, seed=40 + i), n) for i, (t, n) in enumerate(specs)]
