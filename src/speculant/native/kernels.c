@@ -991,8 +991,22 @@ static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t
     }
 }
 
-/* Prefill's Q4_K matmuls on AMX tiles (and Q6_K's with amx_tiles=2, below): a tile multiply-add of 16 rows' activations by 16
- * columns' codes over one 32-value sub-block gives the 16 x 16 integer sums kq_tile's
+#define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
+                         * share: on a Xeon the 1.5B's whole passes after a 64-token context
+                         * took 1.02x the time at 16 and 24 rows, 0.92x at 32, 0.84x at 48
+                         * (one 8960 x 1536 matrix: 16 rows 0.95x, 32 rows 0.76x) */
+_Static_assert(AMX_MIN_ROWS >= RO_MIN_ROWS, "the AMX tiles are taken in rows_outer_run's place");
+static int features(void);
+/* whether a pass of m rows takes amx_run for its parts of this format (Q4_K's, Q6_K's too
+ * with amx_tiles=2) */
+static inline int amx_for(int type, int path, int64_t m) {
+    return (type == T_Q4_K || (type == T_Q6_K && g_amx_tiles > 1)) && g_amx_tiles > 0 &&
+           (features() & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS && g_rows_outer;
+}
+
+/* Prefill's Q4_K matmuls on AMX tiles (and Q6_K's with amx_tiles=2, below): a tile
+ * multiply-add of 16 rows' activations by 16 columns' codes over one 32-value sub-block
+ * gives the 16 x 16 integer sums kq_tile's
  * vpdpbusd lanes form (exact integers, in any order), and each sum then takes kq_tile's
  * own float step (times d * scale, less the row's code sum times dmin * min, times the
  * row's scale, added to that sub-block's accumulator, blocks in order) and the 8
@@ -1015,6 +1029,14 @@ typedef struct {
 #define AMX_SUB_BYTES 512 /* one sub-block's codes of 16 columns: 8 rows x 16 columns x 4 */
 static __thread uint8_t *t_amx_scratch;
 static __thread int64_t t_amx_bytes;
+/* A column group's scales in the scratch, after its codes (4 KiB a block): Q4_K d * scale
+ * and dmin * min; Q6_K scales l and l + 8, the pair 2l, 2l + 1, and d. [nk][8][16] each
+ * but d ([nk][16]). */
+typedef struct {
+    float *dsc, *dmn;
+    int32_t *sc_l, *sc_h, *sc_pair;
+    float *d;
+} amx_scales_t;
 static void amx_free_scratch(void) { /* a pool worker's, as it ends */
     free(t_amx_scratch);
     t_amx_scratch = NULL;
@@ -1045,8 +1067,9 @@ AMXF static inline void transpose8_words(__m256i r[8]) {
  * codes [nk][8 sub-blocks][8][16][4] (row t of sub-block l: value 4t .. 4t + 3 of it,
  * which the repacked unit holds in word l of its register t: the low nibbles of register
  * t < 4, the high ones of register t - 4), then d * scale and dmin * min [nk][8][16]. */
-AMXF static void amx_q4k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes, float *dsc,
-                                 float *dmn) {
+AMXF static void amx_q4k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes,
+                                 const amx_scales_t *sc) {
+    float *dsc = sc->dsc, *dmn = sc->dmn;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     for (int64_t u = 0; u < nk; u++) { /* a block's 4 KiB of codes in L1 while its columns come */
         uint8_t *o = codes + u * 8 * AMX_SUB_BYTES;
@@ -1110,8 +1133,10 @@ AMXF static void amx_store_sums(const job_t *jb, const part_t *p, int64_t c, int
  * then per (block, l) the 16 columns' scales l and l + 8 (int32), their scales 2l, 2l + 1
  * as an int16 pair, and per block d. */
 #define AMX_Q6_SUB_BYTES 256
-AMXF static void amx_q6k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes, int32_t *sc_l,
-                                 int32_t *sc_h, int32_t *sc_pair, float *dv) {
+AMXF static void amx_q6k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t *codes,
+                                 const amx_scales_t *scales) {
+    int32_t *sc_l = scales->sc_l, *sc_h = scales->sc_h, *sc_pair = scales->sc_pair;
+    float *dv = scales->d;
     const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(0x3);
     for (int64_t u = 0; u < nk; u++) {
         for (int h = 0; h < 2; h++) { /* columns c + 8h .. c + 8h + 7 */
@@ -1156,10 +1181,9 @@ AMXF static void amx_q6k_columns(const part_t *p, int64_t c, int64_t nk, uint8_t
  * step for each row (Q4_K: the float step; Q6_K: the integer scale step, then the float
  * one), as kq_tile's lanes do. */
 AMXF __attribute__((always_inline)) static inline void amx_tiles(const job_t *jb, const part_t *p, int64_t c,
-                                                                 const uint8_t *codes, const float *f,
-                                                                 const int q6) {
+                                                                 const uint8_t *codes,
+                                                                 const amx_scales_t *sc, const int q6) {
     const int64_t nk = jb->nk, m = jb->m;
-    const int32_t *in = (const int32_t *)f;
     int32_t cb0[16][16] __attribute__((aligned(64))), cb1[16][16] __attribute__((aligned(64)));
     float accs[8][16][16] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < m; r0 += 16) {
@@ -1181,9 +1205,9 @@ AMXF __attribute__((always_inline)) static inline void amx_tiles(const job_t *jb
                     _tile_dpbsud(1, 3, 5);
                     _tile_stored(0, cb0, 64);
                     _tile_stored(1, cb1, 64);
-                    const __m512i sl = _mm512_loadu_si512(in + at), sh = _mm512_loadu_si512(in + nk * 128 + at);
-                    const __m512i sp = _mm512_loadu_si512(in + nk * 256 + at);
-                    const __m512 d = _mm512_loadu_ps(f + nk * 384 + u * 16);
+                    const __m512i sl = _mm512_loadu_si512(sc->sc_l + at), sh = _mm512_loadu_si512(sc->sc_h + at);
+                    const __m512i sp = _mm512_loadu_si512(sc->sc_pair + at);
+                    const __m512 d = _mm512_loadu_ps(sc->d + u * 16);
                     for (int r = 0; r < 16; r++) {
                         const xk_t *xb = xr + r * nk + u;
                         int32_t pair;
@@ -1201,7 +1225,7 @@ AMXF __attribute__((always_inline)) static inline void amx_tiles(const job_t *jb
                     _tile_zero(0);
                     _tile_dpbsud(0, 1, 2);
                     _tile_stored(0, cb0, 64);
-                    const __m512 ds = _mm512_loadu_ps(f + at), dm = _mm512_loadu_ps(f + nk * 128 + at);
+                    const __m512 ds = _mm512_loadu_ps(sc->dsc + at), dm = _mm512_loadu_ps(sc->dmn + at);
                     for (int r = 0; r < 16; r++) {
                         const xk_t *xb = xr + r * nk + u;
                         const __m512 v = _mm512_fnmadd_ps(_mm512_set1_ps(xb->bs32f[l]), dm,
@@ -1221,7 +1245,7 @@ AMXF static void amx_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c
     const int q6 = p->type == T_Q6_K;
     /* codes 4 KiB a block either way; Q4_K's scales 2 x 8 x 16 floats, Q6_K's 3 x 8 x 16
      * int32 and 16 floats */
-    const int64_t need = nk * (8 * AMX_SUB_BYTES + (q6 ? 3 * 8 * 16 + 16 : 2 * 8 * 16) * 4);
+    const int64_t need = nk * (8 * AMX_SUB_BYTES + (q6 ? 3 * 8 * 16 + 16 : 2 * 8 * 16) * 4); /* amx_scales_t */
     if (g1 > c0 && t_amx_bytes < need) {
         free(t_amx_scratch);
         t_amx_scratch = aligned_alloc(64, (size_t)need);
@@ -1243,14 +1267,15 @@ AMXF static void amx_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c
         _tile_loadconfig(&cfg);
         uint8_t *codes = t_amx_scratch;
         float *f = (float *)(codes + nk * 8 * AMX_SUB_BYTES);
-        int32_t *i = (int32_t *)f;
+        int32_t *in = (int32_t *)f;
+        const amx_scales_t sc = {f, f + nk * 128, in, in + nk * 128, in + nk * 256, f + nk * 384};
         for (int64_t c = c0; c < g1; c += 16) {
             if (q6) {
-                amx_q6k_columns(p, c, nk, codes, i, i + nk * 128, i + nk * 256, f + nk * 384);
-                amx_tiles(jb, p, c, codes, f, 1);
+                amx_q6k_columns(p, c, nk, codes, &sc);
+                amx_tiles(jb, p, c, codes, &sc, 1);
             } else {
-                amx_q4k_columns(p, c, nk, codes, f, f + nk * 128);
-                amx_tiles(jb, p, c, codes, f, 0);
+                amx_q4k_columns(p, c, nk, codes, &sc);
+                amx_tiles(jb, p, c, codes, &sc, 0);
             }
         }
         _tile_release();
@@ -1280,7 +1305,7 @@ static void cols_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c1, c
     const int64_t tile_rows = one_col ? ts->rows : MANY_ROWS_TILE;
     if (!one_col && g_rows_outer && jb->m >= RO_MIN_ROWS && is_kquant(p->type)) {
 #ifdef SPEC_AMX
-        if (jb->xa && (p->type == T_Q4_K || g_amx_tiles > 1)) {
+        if (jb->xa && amx_for(p->type, jb->path, jb->m)) {
             amx_run(jb, p, c0, c1, ts);
             return;
         }
@@ -1637,15 +1662,6 @@ int spec_repack(int type, const void *src, int64_t n, int64_t K, void *dst, int 
 /* The activation rows of a pass, quantized for the K-quant parts (xk) and the legacy ones
  * (xg) where wanted: each row by itself (the same bits whoever quantizes it), so a pass
  * of many rows (a prefill) shares the rows out over the threads. */
-#define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
-                         * share: on a Xeon the 1.5B's whole passes after a 64-token context
-                         * took 1.02x the time at 16 and 24 rows, 0.92x at 32, 0.84x at 48
-                         * (one 8960 x 1536 matrix: 16 rows 0.95x, 32 rows 0.76x) */
-/* whether a pass of m rows takes amx_run for its Q4_K parts (and Q6_K with amx_tiles=2) */
-static inline int amx_for(int path, int64_t m) {
-    return g_amx_tiles > 0 && (features() & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS &&
-           m >= RO_MIN_ROWS && g_rows_outer;
-}
 
 typedef struct {
     const float *x;
@@ -1661,7 +1677,8 @@ static void quantize_part(const void *ctx, int64_t r0, int64_t r1) {
     const quant_t *q = ctx;
     const int64_t nk = q->K / 256, ng = (q->K / 32 + 7) / 8;
     for (int64_t r = r0; r < r1; r++) {
-        if (q->xk) quantize_row_k(q->x + r * q->K, q->K, q->xk + r * nk, q->xa ? q->xa + r * nk * 256 : NULL, q->path);
+        int8_t *xa = q->xa ? q->xa + r * nk * 256 : NULL;
+        if (q->xk) quantize_row_k(q->x + r * q->K, q->K, q->xk + r * nk, xa, q->path);
         if (q->xg) quantize_row_g(q->x + r * q->K, q->K, q->xg + r * ng, q->path);
     }
 }
@@ -1701,7 +1718,7 @@ int spec_linear(int nparts, const int *types, const void *const *weights, const 
     int8_t *xa = NULL;
     /* AMX tiles take 16 rows at a time: their activations padded with zero rows */
     int amx = 0;
-    for (int i = 0; i < nparts; i++) amx |= (types[i] == T_Q4_K || (types[i] == T_Q6_K && g_amx_tiles > 1)) && amx_for(jb.path, m);
+    for (int i = 0; i < nparts; i++) amx |= amx_for(types[i], jb.path, m);
     const int64_t mk = amx ? (m + 15) / 16 * 16 : m;
     if (needk) xk = aligned_alloc(64, sizeof(xk_t) * (size_t)(mk * jb.nk));
     if (needg) xg = malloc(sizeof(xg_t) * (size_t)(m * jb.ng));
