@@ -6,9 +6,12 @@ real models (greedy speculative output equals plain output)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,6 +124,52 @@ def test_code_paths_agree_bitwise(ggml_type: int, m: int) -> None:
         native.set_path("auto")
     for p, y in outs.items():
         assert torch.equal(y, outs["portable"]), p
+
+
+def test_build_without_x86_code_gives_the_portable_bits(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """kernels.c compiled as on a CPU that is not x86 (SPEC_PORTABLE_ONLY leaves out every
+    x86 intrinsic, as an ARM compiler does) builds, offers the portable path alone, and
+    gives the portable path's bits for every format's matmul, attention and the norm."""
+    source = Path(native.__file__).with_name("kernels.c")
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None or not source.exists():
+        pytest.skip("no C compiler, or the package was installed without kernels.c")
+    lib_path = tmp_path / "portable_only.so"
+    flags = ["-O3", "-std=gnu11", "-ffp-contract=off", "-pthread", "-shared", "-fPIC"]
+    build = subprocess.run(
+        [cc, *flags, "-DSPEC_PORTABLE_ONLY", str(source), "-o", str(lib_path), "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr[-2000:]
+
+    def run_all() -> list[torch.Tensor]:
+        outs = []
+        for ggml_type in TYPES:
+            k = 512 if ggml_type in (native.Q4_K, native.Q6_K) else 9 * 32
+            matrix = native.NativeMatrix([(ggml_type, random_matrix(ggml_type, 19, k, 3), 19)], k)
+            for m in (1, 5, 40):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                outs.append(matrix.matmul(x))
+        keys, values = _cache(2, 90, 64, 4)
+        q = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(5))
+        lo, hi = torch.tensor([0, 0, 30]), torch.tensor([2, 90, 60])
+        outs.append(native.attend(q, keys, values, lo, hi, 0.125))
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+        outs.append(native.rms_norm(x, x[0].abs() + 0.5, 1e-6))
+        return outs
+
+    native.set_path("portable")
+    try:
+        want = run_all()
+    finally:
+        native.set_path("auto")
+    monkeypatch.setattr(native, "_lib", native._bind(ctypes.CDLL(str(lib_path))))
+    assert native.paths() == ["portable"]
+    assert native.active_path() == "portable"
+    got = run_all()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), i
 
 
 def _equal_rows_alone_under_knobs(

@@ -77,6 +77,12 @@ def _load() -> Any:
     except OSError as exc:
         _missing = f"{spec.origin} could not be loaded ({exc})"
         return None
+    _lib = _bind(lib)
+    return _lib
+
+
+def _bind(lib: Any) -> Any:
+    """Declares the library's functions' arguments and results to ctypes."""
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.spec_features.restype = c_int
     lib.spec_set_path.argtypes = [c_int]
@@ -115,7 +121,6 @@ def _load() -> Any:
     lib.spec_layers.argtypes = [p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float]
     lib.spec_layers.argtypes += [p, i64, p, i64, p, p, p, p, c_int]
     lib.spec_layers.restype = c_int
-    _lib = lib
     return lib
 
 

@@ -34,7 +34,7 @@
 #include <sys/mman.h>
 #endif
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(SPEC_PORTABLE_ONLY)
 #define SPEC_X86 1
 #include <cpuid.h>
 #include <immintrin.h>
@@ -722,6 +722,25 @@ static int g_amx_tiles = -1;
 static int g_wide_min_rows = 3; /* passes of fewer rows keep kq_tile's one-column tiles (on a
                                  * Xeon, 2 rows: 1.02x; 3 rows: 0.96x of their time) */
 
+/* Threads take chunks of about columns / (threads x g_chunks_per_thread) columns, at most
+ * g_max_chunk_cols: long runs of contiguous weights for each core's stream. */
+static int g_chunks_per_thread = 8;
+static int g_max_chunk_cols = 512;
+static int g_rows_outer = 12288; /* rows_outer_run's L1 budget in bytes; 0: off */
+#define WIDE_ROWS 8             /* the most rows of a kq_wide tile */
+
+#define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
+                         * share: on a Xeon the 1.5B's whole passes after a 64-token context
+                         * took 1.02x the time at 16 and 24 rows, 0.92x at 32, 0.84x at 48
+                         * (one 8960 x 1536 matrix: 16 rows 0.95x, 32 rows 0.76x) */
+static int features(void);
+/* whether a pass of m rows takes amx_run for its parts of this format (Q4_K's, Q6_K's too
+ * with amx_tiles=2) */
+static inline int amx_for(int type, int path, int64_t m) {
+    return (type == T_Q4_K || (type == T_Q6_K && g_amx_tiles > 1)) && g_amx_tiles > 0 &&
+           (features() & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS && g_rows_outer;
+}
+
 #ifdef SPEC_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -767,7 +786,6 @@ AVX2 static inline float hsum8_avx(__m256 a) {
  * lane the same integer and float operations as kq_tile's, so the results are its
  * bits. On an Intel core a 512-bit vpdpbusd costs about what a 256-bit one does; Zen 4
  * splits it in two (see g_wide_tiles). */
-#define WIDE_ROWS 8 /* the most rows of a kq_wide tile */
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 VNNI512 static inline __m512i two_halves(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
@@ -887,13 +905,6 @@ static inline int wide_for(const tile_set *ts, int64_t m) {
 #undef KQW_ALL
 #undef KQW_ROW
 
-/* Tuning, set by spec_tune (benchmarks); no result depends on them. Threads take chunks
- * of about columns / (threads x g_chunks_per_thread) columns, at most g_max_chunk_cols:
- * long runs of contiguous weights for each core's stream. */
-static int g_chunks_per_thread = 8;
-static int g_max_chunk_cols = 512;
-static int g_rows_outer = 12288; /* rows_outer_run's L1 budget in bytes; 0: off */
-
 /* Columns [c0, c1) of a pass of a few rows over long K-quant columns, whose rows'
  * activations would not stay in L1 over a whole column (at 8 rows a column of the 1.5B's
  * FFN down projection has ~90 KB of them, read again for every column): the columns go in
@@ -991,18 +1002,7 @@ static void rows_outer_run(const job_t *jb, const part_t *p, int64_t c0, int64_t
     }
 }
 
-#define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
-                         * share: on a Xeon the 1.5B's whole passes after a 64-token context
-                         * took 1.02x the time at 16 and 24 rows, 0.92x at 32, 0.84x at 48
-                         * (one 8960 x 1536 matrix: 16 rows 0.95x, 32 rows 0.76x) */
 _Static_assert(AMX_MIN_ROWS >= RO_MIN_ROWS, "the AMX tiles are taken in rows_outer_run's place");
-static int features(void);
-/* whether a pass of m rows takes amx_run for its parts of this format (Q4_K's, Q6_K's too
- * with amx_tiles=2) */
-static inline int amx_for(int type, int path, int64_t m) {
-    return (type == T_Q4_K || (type == T_Q6_K && g_amx_tiles > 1)) && g_amx_tiles > 0 &&
-           (features() & FEAT_AMX) && path == PATH_AVX512VNNI && m >= AMX_MIN_ROWS && g_rows_outer;
-}
 
 /* Prefill's Q4_K matmuls on AMX tiles (and Q6_K's with amx_tiles=2, below): a tile
  * multiply-add of 16 rows' activations by 16 columns' codes over one 32-value sub-block
@@ -2279,7 +2279,9 @@ int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_
 /* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, rows of d values (d a multiple of 8). */
 int spec_rms_norm(const float *x, const float *w, int64_t m, int64_t d, float eps, float *y) {
     if (d <= 0 || d % 8) return -1;
-    int path = resolve_path();
+#ifdef SPEC_X86
+    const int path = resolve_path();
+#endif
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * d;
         float *yr = y + r * d;
