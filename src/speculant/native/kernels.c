@@ -798,6 +798,13 @@ VNNI512 static inline __m512 two_f16(const uint8_t *a, const uint8_t *b) {
 VNNI512 static inline __m512i both_halves(const void *p) {
     return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
 }
+VNNI512 static inline __m512i q6_high512(__m512i h, const int ch, __m512i m30) {
+    const __m512i s = ch == 0   ? _mm512_slli_epi16(h, 4)
+                      : ch == 1 ? _mm512_slli_epi16(h, 2)
+                      : ch == 2 ? h
+                                : _mm512_srli_epi16(h, 2);
+    return _mm512_and_si512(s, m30);
+}
 VNNI512 __attribute__((always_inline)) static inline void
 kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, const int q6,
         const int64_t u0, const int64_t u1, float *carry) {
@@ -824,11 +831,10 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
             const __m512i q = two_halves(b0 + at, b1 + at);
             lo[ch] = _mm512_and_si512(q, m4);
             hi[ch] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-            if (q6) { /* bits 2ch, 2ch+1 of each byte -> bits 4, 5 */
+            if (q6) { /* bits 2ch, 2ch+1 of each byte -> bits 4, 5, as kq_tile's q6_high */
                 const __m512i h0 = two_halves(b0 + 128, b1 + 128), h1 = two_halves(b0 + 160, b1 + 160);
-                const int sh = 2 * ch;
-                lo[ch] = _mm512_or_si512(lo[ch], _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h0, sh), 4), m30));
-                hi[ch] = _mm512_or_si512(hi[ch], _mm512_and_si512(_mm512_slli_epi16(_mm512_srli_epi16(h1, sh), 4), m30));
+                lo[ch] = _mm512_or_si512(lo[ch], q6_high512(h0, ch, m30));
+                hi[ch] = _mm512_or_si512(hi[ch], q6_high512(h1, ch, m30));
             }
         }
         if (q6) {

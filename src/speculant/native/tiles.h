@@ -38,6 +38,17 @@ TL_ATTR static inline __m256i TL_FN(sdot)(__m256i acc, __m256i w, __m256i x) {
 
 TL_ATTR static inline __m256i TL_FN(load)(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* Q6_K's high bits: bits 2ch, 2ch + 1 of each byte of h moved to bits 4, 5 (the rest 0)
+ * by one shift of the 16-bit lanes (none for ch = 2): a byte's bits 4, 5 then come from
+ * its own bits, never from its neighbour's */
+TL_ATTR static inline __m256i TL_FN(q6_high)(__m256i h, const int ch, __m256i m30) {
+    const __m256i s = ch == 0   ? _mm256_slli_epi16(h, 4)
+                      : ch == 1 ? _mm256_slli_epi16(h, 2)
+                      : ch == 2 ? h
+                                : _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(s, m30);
+}
+
 /* ----------------------------------------------------------------------- K-quants */
 TL_ATTR __attribute__((always_inline)) static inline void
 TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, const int C,
@@ -79,13 +90,9 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
                 lo[cc] = _mm256_and_si256(q, m4);
                 hi[cc] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
                 if (q6) {
-                    /* bits 2ch, 2ch+1 of each byte -> bits 4, 5 */
                     const __m256i h0 = TL_FN(load)(blk[cc] + 128), h1 = TL_FN(load)(blk[cc] + 160);
-                    const int sh = 2 * ch;
-                    lo[cc] = _mm256_or_si256(
-                        lo[cc], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h0, sh), 4), m30));
-                    hi[cc] = _mm256_or_si256(
-                        hi[cc], _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(h1, sh), 4), m30));
+                    lo[cc] = _mm256_or_si256(lo[cc], TL_FN(q6_high)(h0, ch, m30));
+                    hi[cc] = _mm256_or_si256(hi[cc], TL_FN(q6_high)(h1, ch, m30));
                 }
             }
             for (int r = 0; r < R; r++) {
