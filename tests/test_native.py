@@ -412,11 +412,14 @@ def test_attention_row_alone_equals_row_in_any_pass(path: str) -> None:
     assert torch.equal(again, full)
 
 
-@pytest.mark.parametrize(("hd", "nh", "nkv"), [(8, 8, 2), (72, 18, 2), (128, 8, 2), (136, 3, 3)])
+@pytest.mark.parametrize(
+    ("hd", "nh", "nkv"), [(8, 8, 2), (56, 4, 2), (72, 18, 2), (128, 8, 2), (136, 3, 3)]
+)
 def test_attention_and_norm_paths_agree_bitwise(hd: int, nh: int, nkv: int) -> None:
     """Every path, bitwise: head sizes with and without a remainder past the vector code's
-    64-value blocks, key counts with and without one past its groups of 4, query heads per
-    key/value head from 1 to 9 (more than the vector code takes at once)."""
+    64-value blocks (and the 512-bit code's blocks of 128, 64, 32, 16 and 8 values), key
+    counts with and without one past its groups of 4, query heads per key/value head from
+    1 to 9 (more than the vector code takes at once)."""
     if "avx2" not in native.paths():
         pytest.skip("this CPU has only the portable path")
     keys, values = _cache(nkv, 300, hd, 5)
@@ -578,14 +581,19 @@ def test_tuning_knobs_change_no_result() -> None:
     keys, values = _cache(2, 90, 64, 11)
     q = torch.randn(6, 5, 64, generator=torch.Generator().manual_seed(12))
     lo, hi = torch.tensor([0, 0, 3, 0, 0]), torch.tensor([60, 61, 70, 72, 2])
-    got = {}
+    got = []
     try:
         for pairs in (0, 1):
-            native.tune("attention_pairs", pairs)
-            got[pairs] = native.attend(q, keys, values, lo, hi, 0.125)
+            for wide in (0, 1):  # and the weighted values in 256- or 512-bit registers
+                native.tune("attention_pairs", pairs)
+                native.tune("attention_512", wide)
+                got.append(native.attend(q, keys, values, lo, hi, 0.125))
     finally:
         native.tune("attention_pairs", before["attention_pairs"])
-    assert torch.equal(got[0], got[1])
+        native.tune("attention_512", before["attention_512"])
+    assert all(torch.equal(g, got[0]) for g in got)
+    with pytest.raises(ValueError, match="attention_512=2: out of the range"):
+        native.tune("attention_512", 2)
     with pytest.raises(ValueError, match="max_chunk_cols=3: a value >= 4"):
         native.tune("max_chunk_cols", 3)
     with pytest.raises(ValueError, match="unknown knob"):

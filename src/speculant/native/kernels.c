@@ -709,6 +709,9 @@ static int g_span_ahead = 2;
 #define SPAN_MAX_COLS 32
 #define SPAN_ACT_BYTES (24 * 1024) /* a pass's activations of a column past this take spans */
 static int g_attn_pairs = 1; /* attention of several rows: rows in pairs (attend_pair) */
+static int g_attn_512 = 1;   /* attention's weighted values in 512-bit registers on the AVX-512
+                              * paths (values_one_512): on a Xeon (Emerald Rapids kind)
+                              * attention alone took 0.84-0.89x of the time at 2-256 rows */
 /* kq_wide's two-column K-quant tiles on the VNNI path: 1 on, 0 off, -1 (the default) on
  * Intel CPUs only (resolved by features()). Measured on a Xeon (Emerald Rapids kind),
  * the 1.5B's passes interleaved off and on: 4 rows 0.92x, 8 rows 0.84x, 16 rows 0.77x,
@@ -1577,22 +1580,23 @@ int spec_active_path(void) { return resolve_path(); }
  * thread, 3 the most columns in a chunk, 4 attention takes query rows in pairs (1) or one
  * at a time (0), 5-7 spans (spans_run): blocks of a span (0: no spans), columns of a
  * group, pieces prefetched ahead, 8 rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on,
- * rows a tile, fewest rows), 12 AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too). A
- * value of -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value
- * out of the knob's range, -3 for AMX tiles asked of a CPU (or OS) without them. */
+ * rows a tile, fewest rows), 12 AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13
+ * attention's weighted values in 512-bit registers (1) or 256-bit ones (0). A value of
+ * -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the
+ * knob's range, -3 for AMX tiles asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
                                  &g_span_cols,      &g_span_ahead, &g_rows_outer,
                                  &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows,
-                                 &g_amx_tiles};
-    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0};
+                                 &g_amx_tiles,      &g_attn_512};
+    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0};
     features(); /* resolves g_wide_tiles' and g_amx_tiles' defaults */
     if (knob < 0 || knob >= (int)(sizeof knobs / sizeof knobs[0])) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;
     if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS) ||
-        (knobs[knob] == &g_amx_tiles && value > 2))
+        (knobs[knob] == &g_amx_tiles && value > 2) || (knobs[knob] == &g_attn_512 && value > 1))
         return -2;
     if (knobs[knob] == &g_amx_tiles && value > 0 && !(features() & FEAT_AMX)) return -3;
     *knobs[knob] = value;
@@ -2079,6 +2083,80 @@ AVX2 static void values_two(float *o0, float *o1, const float *s0, int64_t b0, c
     }
 }
 
+/* values_one and values_two in 512-bit registers, for the AVX-512 paths: every output
+ * value is the same chain of fused multiply-adds (its terms in ascending key order) in
+ * its own lane, so the width changes no bit; on an Intel core a 512-bit multiply-add
+ * costs about what a 256-bit one does. Blocks of NB registers of 16 values. */
+#define AVX512F __attribute__((target("avx512f,avx512vl,avx2,fma")))
+typedef void (*values_one_fn)(float *, const float *, int64_t, const float *, int64_t, int64_t, int64_t);
+typedef void (*values_two_fn)(float *, float *, const float *, int64_t, const float *, int64_t, const float *,
+                              int64_t, int64_t, int64_t);
+AVX512F __attribute__((always_inline)) static inline void
+values_one_block(float *o, const float *s, int64_t sb, const float *vals, int64_t j0, int64_t j1, int64_t hd,
+                 const int NB) {
+    __m512 y[8];
+    for (int b = 0; b < NB; b++) y[b] = _mm512_loadu_ps(o + 16 * b);
+    for (int64_t j = j0; j < j1; j++) {
+        const __m512 p = _mm512_set1_ps(s[j - sb]);
+        const float *v = vals + j * hd;
+        for (int b = 0; b < NB; b++) y[b] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * b), y[b]);
+    }
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(o + 16 * b, y[b]);
+}
+AVX512F static void values_one_512(float *o, const float *s, int64_t sb, const float *vals, int64_t j0,
+                                   int64_t j1, int64_t hd) {
+    int64_t i0 = 0;
+    for (; i0 + 128 <= hd; i0 += 128) values_one_block(o + i0, s, sb, vals + i0, j0, j1, hd, 8);
+    if (i0 + 64 <= hd) values_one_block(o + i0, s, sb, vals + i0, j0, j1, hd, 4), i0 += 64;
+    if (i0 + 32 <= hd) values_one_block(o + i0, s, sb, vals + i0, j0, j1, hd, 2), i0 += 32;
+    if (i0 + 16 <= hd) values_one_block(o + i0, s, sb, vals + i0, j0, j1, hd, 1), i0 += 16;
+    if (i0 < hd) { /* the last 8 values */
+        __m256 y = _mm256_loadu_ps(o + i0);
+        for (int64_t j = j0; j < j1; j++)
+            y = _mm256_fmadd_ps(_mm256_set1_ps(s[j - sb]), _mm256_loadu_ps(vals + j * hd + i0), y);
+        _mm256_storeu_ps(o + i0, y);
+    }
+}
+AVX512F __attribute__((always_inline)) static inline void
+values_two_block(float *o0, float *o1, const float *s0, int64_t b0, const float *s1, int64_t b1,
+                 const float *vals, int64_t j0, int64_t j1, int64_t hd, const int NB) {
+    __m512 y[4], z[4];
+    for (int b = 0; b < NB; b++) {
+        y[b] = _mm512_loadu_ps(o0 + 16 * b);
+        z[b] = _mm512_loadu_ps(o1 + 16 * b);
+    }
+    for (int64_t j = j0; j < j1; j++) {
+        const __m512 p0 = _mm512_set1_ps(s0[j - b0]), p1 = _mm512_set1_ps(s1[j - b1]);
+        const float *v = vals + j * hd;
+        for (int b = 0; b < NB; b++) {
+            const __m512 vv = _mm512_loadu_ps(v + 16 * b);
+            y[b] = _mm512_fmadd_ps(p0, vv, y[b]);
+            z[b] = _mm512_fmadd_ps(p1, vv, z[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) {
+        _mm512_storeu_ps(o0 + 16 * b, y[b]);
+        _mm512_storeu_ps(o1 + 16 * b, z[b]);
+    }
+}
+AVX512F static void values_two_512(float *o0, float *o1, const float *s0, int64_t b0, const float *s1,
+                                   int64_t b1, const float *vals, int64_t j0, int64_t j1, int64_t hd) {
+    int64_t i0 = 0;
+    for (; i0 + 64 <= hd; i0 += 64) values_two_block(o0 + i0, o1 + i0, s0, b0, s1, b1, vals + i0, j0, j1, hd, 4);
+    if (i0 + 32 <= hd) values_two_block(o0 + i0, o1 + i0, s0, b0, s1, b1, vals + i0, j0, j1, hd, 2), i0 += 32;
+    if (i0 + 16 <= hd) values_two_block(o0 + i0, o1 + i0, s0, b0, s1, b1, vals + i0, j0, j1, hd, 1), i0 += 16;
+    if (i0 < hd) { /* the last 8 values */
+        __m256 y = _mm256_loadu_ps(o0 + i0), z = _mm256_loadu_ps(o1 + i0);
+        for (int64_t j = j0; j < j1; j++) {
+            const __m256 vv = _mm256_loadu_ps(vals + j * hd + i0);
+            y = _mm256_fmadd_ps(_mm256_set1_ps(s0[j - b0]), vv, y);
+            z = _mm256_fmadd_ps(_mm256_set1_ps(s1[j - b1]), vv, z);
+        }
+        _mm256_storeu_ps(o0 + i0, y);
+        _mm256_storeu_ps(o1 + i0, z);
+    }
+}
+
 /* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
  * code of every path from AVX2 on (the AVX-512 paths take the same 256-bit float code).
  * Every (head, row) pair gets bitwise what attend_one computes for it: each score is the
@@ -2095,6 +2173,7 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
     const int64_t per = a->nh / a->nkv;
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
     const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
+    const values_one_fn v1 = a->path >= PATH_AVX512 && g_attn_512 ? values_one_512 : values_one;
     float stack[GROUP_HEADS * 512];
     float *sc = n <= 512 ? stack : malloc(sizeof(float) * (size_t)(GROUP_HEADS * n));
     if (!sc) {
@@ -2118,7 +2197,7 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
         for (int64_t x = 0; x < H; x++) sum[x] = softmax_avx2(sc + x * n, n);
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
-            for (int64_t x = 0; x < H; x++) values_one(o[x], sc + x * n, lo, vals, j0, j1, hd);
+            for (int64_t x = 0; x < H; x++) v1(o[x], sc + x * n, lo, vals, j0, j1, hd);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t i = 0; i < hd; i++) o[x][i] = o[x][i] / sum[x];
@@ -2145,6 +2224,8 @@ AVX2 static void attend_pair(const void *ctx, int64_t chunk) {
     }
     const int64_t hd = a->hd, per = a->nh / a->nkv, n0 = hi0 - lo0, n1 = hi1 - lo1;
     const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
+    const values_one_fn v1 = a->path >= PATH_AVX512 && g_attn_512 ? values_one_512 : values_one;
+    const values_two_fn v2 = a->path >= PATH_AVX512 && g_attn_512 ? values_two_512 : values_two;
     float stack[GROUP_HEADS * 1024];
     float *sc = n0 + n1 <= 1024 ? stack : malloc(sizeof(float) * (size_t)(GROUP_HEADS * (n0 + n1)));
     if (!sc) {
@@ -2184,16 +2265,16 @@ AVX2 static void attend_pair(const void *ctx, int64_t chunk) {
         /* values in ascending key order for each row: its own keys before the shared ones,
          * the shared ones (a block at a time, both rows), its own keys after */
         for (int64_t x = 0; x < H; x++) {
-            values_one(o0[x], s0[x], lo0, vals, lo0, slo, hd);
-            values_one(o1[x], s1[x], lo1, vals, lo1, slo, hd);
+            v1(o0[x], s0[x], lo0, vals, lo0, slo, hd);
+            v1(o1[x], s1[x], lo1, vals, lo1, slo, hd);
         }
         for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
-            for (int64_t x = 0; x < H; x++) values_two(o0[x], o1[x], s0[x], lo0, s1[x], lo1, vals, j0, j1, hd);
+            for (int64_t x = 0; x < H; x++) v2(o0[x], o1[x], s0[x], lo0, s1[x], lo1, vals, j0, j1, hd);
         }
         for (int64_t x = 0; x < H; x++) {
-            values_one(o0[x], s0[x], lo0, vals, shi, hi0, hd);
-            values_one(o1[x], s1[x], lo1, vals, shi, hi1, hd);
+            v1(o0[x], s0[x], lo0, vals, shi, hi0, hd);
+            v1(o1[x], s1[x], lo1, vals, shi, hi1, hd);
             for (int64_t i = 0; i < hd; i++) {
                 o0[x][i] = o0[x][i] / sum0[x];
                 o1[x][i] = o1[x][i] / sum1[x];
