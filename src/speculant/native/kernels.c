@@ -1808,16 +1808,29 @@ int spec_quantize_rows(int kquant, const float *x, int64_t K, int64_t m, int8_t 
 
 
 /* ------------------------------------------------- attention and RMS norm (float32) */
-/* Both reduce in a fixed order that depends on nothing but the row itself: 8 lanes
- * (lane l takes elements l, l+8, ...), added as hsum8; keys visited in ascending order.
- * A query row's result is therefore the same whatever else shares the pass, however long
- * the key span, and on either path (the AVX2 code does the same float operations, with
- * no fused multiply-add). */
+/* Both reduce in a fixed order that depends on nothing but the row itself: the norm in 8
+ * lanes (lane l takes elements l, l+8, ...), added as hsum8; an attention score in 16
+ * lanes (lane l takes elements l, l+16, ...; a last 8 elements go to lanes 0-7), lane l
+ * and lane l+8 added, then hsum8; keys visited in ascending order. A query row's result
+ * is therefore the same whatever else shares the pass, however long the key span, and on
+ * every path (the vector code does the same float operations). */
 static float dot8_portable(const float *a, const float *b, int64_t n) {
     float acc[8] = {0};
     for (int64_t i = 0; i < n; i += 8)
         for (int l = 0; l < 8; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
     return hsum8(acc);
+}
+
+/* an attention score's dot product (n a multiple of 8) */
+static float dot16_portable(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0}, t[8];
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    if (i < n)
+        for (int l = 0; l < 8; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    for (int l = 0; l < 8; l++) t[l] = acc[l] + acc[l + 8];
+    return hsum8(t);
 }
 
 /* y[i] += p * v[i], one rounding */
@@ -1868,6 +1881,18 @@ AVX2 static float dot8_avx2(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     return hsum8_avx(acc);
+}
+
+/* dot16_portable's numbers: lanes 0-7 and 8-15 in two registers */
+AVX2 static float dot16_avx2(const float *a, const float *b, int64_t n) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+    }
+    if (i < n) lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+    return hsum8_avx(_mm256_add_ps(lo, hi));
 }
 
 /* exp_neg of 8 values */
@@ -1951,7 +1976,7 @@ static void attend_one(const void *ctx, int64_t chunk) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
     }
-    float (*dot)(const float *, const float *, int64_t) = dot8_portable;
+    float (*dot)(const float *, const float *, int64_t) = dot16_portable;
     void (*axpy)(float *, float, const float *, int64_t) = axpy_portable;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
@@ -1980,49 +2005,72 @@ AVX2 static inline __m128 hsum8x4_avx(__m256 a0, __m256 a1, __m256 a2, __m256 a3
     return _mm_add_ps(_mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)), _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Scores and weighted values over keys j0 .. j1 - 1 (absolute; the score of key j at
- * s[j - sb]) for one query, or for two queries that share the key loads. */
+/* Scores over keys j0 .. j1 - 1 (absolute; the score of key j at s[j - sb]) for one
+ * query, or for two queries that share the key loads: dot16_portable's numbers, 4 keys
+ * (one query) or 2 keys (two) at a time, each in two registers (lanes 0-7, 8-15). */
 AVX2 static void scores_one(const float *q, const float *keys, int64_t j0, int64_t j1, int64_t hd,
                             float scale, float *s, int64_t sb) {
     int64_t j = j0;
     for (; j + 4 <= j1; j += 4) {
         const float *k0 = keys + j * hd;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int64_t i = 0; i < hd; i += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + i);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + i), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + i), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + i), a3);
+        __m256 a[4], b[4];
+        for (int e = 0; e < 4; e++) a[e] = b[e] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= hd; i += 16) {
+            const __m256 qa = _mm256_loadu_ps(q + i), qb = _mm256_loadu_ps(q + i + 8);
+            for (int e = 0; e < 4; e++) {
+                a[e] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k0 + e * hd + i), a[e]);
+                b[e] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(k0 + e * hd + i + 8), b[e]);
+            }
         }
-        _mm_storeu_ps(s + j - sb, _mm_mul_ps(hsum8x4_avx(a0, a1, a2, a3), _mm_set1_ps(scale)));
+        if (i < hd) {
+            const __m256 qa = _mm256_loadu_ps(q + i);
+            for (int e = 0; e < 4; e++) a[e] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(k0 + e * hd + i), a[e]);
+        }
+        for (int e = 0; e < 4; e++) a[e] = _mm256_add_ps(a[e], b[e]);
+        _mm_storeu_ps(s + j - sb, _mm_mul_ps(hsum8x4_avx(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
     }
-    for (; j < j1; j++) s[j - sb] = dot8_avx2(q, keys + j * hd, hd) * scale;
+    for (; j < j1; j++) s[j - sb] = dot16_avx2(q, keys + j * hd, hd) * scale;
 }
 
 /* s0[j - b0], s1[j - b1] for keys j0 .. j1 - 1 of queries q0, q1 */
 AVX2 static void scores_two(const float *q0, const float *q1, const float *keys, int64_t j0, int64_t j1,
                             int64_t hd, float scale, float *s0, int64_t b0, float *s1, int64_t b1) {
     int64_t j = j0;
-    for (; j + 4 <= j1; j += 4) {
+    for (; j + 2 <= j1; j += 2) {
         const float *k0 = keys + j * hd;
-        __m256 a[4], b[4];
-        for (int e = 0; e < 4; e++) a[e] = b[e] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < hd; i += 8) {
-            const __m256 qa = _mm256_loadu_ps(q0 + i), qb = _mm256_loadu_ps(q1 + i);
-            for (int e = 0; e < 4; e++) {
-                const __m256 kv = _mm256_loadu_ps(k0 + e * hd + i);
-                a[e] = _mm256_fmadd_ps(qa, kv, a[e]);
-                b[e] = _mm256_fmadd_ps(qb, kv, b[e]);
+        __m256 a[2][2], b[2][2]; /* [query][key]: lanes 0-7 in a, 8-15 in b */
+        for (int r = 0; r < 2; r++)
+            for (int e = 0; e < 2; e++) a[r][e] = b[r][e] = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= hd; i += 16) {
+            const __m256 qa0 = _mm256_loadu_ps(q0 + i), qb0 = _mm256_loadu_ps(q0 + i + 8);
+            const __m256 qa1 = _mm256_loadu_ps(q1 + i), qb1 = _mm256_loadu_ps(q1 + i + 8);
+            for (int e = 0; e < 2; e++) {
+                const __m256 ka = _mm256_loadu_ps(k0 + e * hd + i), kb = _mm256_loadu_ps(k0 + e * hd + i + 8);
+                a[0][e] = _mm256_fmadd_ps(qa0, ka, a[0][e]);
+                b[0][e] = _mm256_fmadd_ps(qb0, kb, b[0][e]);
+                a[1][e] = _mm256_fmadd_ps(qa1, ka, a[1][e]);
+                b[1][e] = _mm256_fmadd_ps(qb1, kb, b[1][e]);
             }
         }
-        _mm_storeu_ps(s0 + j - b0, _mm_mul_ps(hsum8x4_avx(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
-        _mm_storeu_ps(s1 + j - b1, _mm_mul_ps(hsum8x4_avx(b[0], b[1], b[2], b[3]), _mm_set1_ps(scale)));
+        if (i < hd) {
+            const __m256 qa0 = _mm256_loadu_ps(q0 + i), qa1 = _mm256_loadu_ps(q1 + i);
+            for (int e = 0; e < 2; e++) {
+                const __m256 ka = _mm256_loadu_ps(k0 + e * hd + i);
+                a[0][e] = _mm256_fmadd_ps(qa0, ka, a[0][e]);
+                a[1][e] = _mm256_fmadd_ps(qa1, ka, a[1][e]);
+            }
+        }
+        const __m128 sums = hsum8x4_avx(_mm256_add_ps(a[0][0], b[0][0]), _mm256_add_ps(a[0][1], b[0][1]),
+                                        _mm256_add_ps(a[1][0], b[1][0]), _mm256_add_ps(a[1][1], b[1][1]));
+        const __m128 sc = _mm_mul_ps(sums, _mm_set1_ps(scale));
+        _mm_storel_pi((__m64 *)(s0 + j - b0), sc);
+        _mm_storeh_pi((__m64 *)(s1 + j - b1), sc);
     }
     for (; j < j1; j++) {
-        s0[j - b0] = dot8_avx2(q0, keys + j * hd, hd) * scale;
-        s1[j - b1] = dot8_avx2(q1, keys + j * hd, hd) * scale;
+        s0[j - b0] = dot16_avx2(q0, keys + j * hd, hd) * scale;
+        s1[j - b1] = dot16_avx2(q1, keys + j * hd, hd) * scale;
     }
 }
 
@@ -2157,6 +2205,69 @@ AVX512F static void values_two_512(float *o0, float *o1, const float *s0, int64_
     }
 }
 
+/* scores_one and scores_two in 512-bit registers (lanes 0-15 of dot16_portable in one
+ * register, a last 8 elements into lanes 0-7), for the AVX-512 paths */
+typedef void (*scores_one_fn)(const float *, const float *, int64_t, int64_t, int64_t, float, float *, int64_t);
+typedef void (*scores_two_fn)(const float *, const float *, const float *, int64_t, int64_t, int64_t, float,
+                              float *, int64_t, float *, int64_t);
+AVX512F static inline __m256 fold16(__m512 a) { /* lane l + lane l + 8 */
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+AVX512F static inline __m512 fma_low8(const float *a, const float *b, __m512 acc) {
+    return _mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_loadu_ps(a)),
+                                 _mm512_castps256_ps512(_mm256_loadu_ps(b)), acc, 0xFF);
+}
+AVX512F static void scores_one_512(const float *q, const float *keys, int64_t j0, int64_t j1, int64_t hd,
+                                   float scale, float *s, int64_t sb) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        const float *k0 = keys + j * hd;
+        __m512 a[4];
+        for (int e = 0; e < 4; e++) a[e] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= hd; i += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + i);
+            for (int e = 0; e < 4; e++) a[e] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + e * hd + i), a[e]);
+        }
+        if (i < hd)
+            for (int e = 0; e < 4; e++) a[e] = fma_low8(q + i, k0 + e * hd + i, a[e]);
+        const __m128 sums = hsum8x4_avx(fold16(a[0]), fold16(a[1]), fold16(a[2]), fold16(a[3]));
+        _mm_storeu_ps(s + j - sb, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+    for (; j < j1; j++) s[j - sb] = dot16_avx2(q, keys + j * hd, hd) * scale;
+}
+AVX512F static void scores_two_512(const float *q0, const float *q1, const float *keys, int64_t j0, int64_t j1,
+                                   int64_t hd, float scale, float *s0, int64_t b0, float *s1, int64_t b1) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        const float *k0 = keys + j * hd;
+        __m512 a[4], b[4];
+        for (int e = 0; e < 4; e++) a[e] = b[e] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= hd; i += 16) {
+            const __m512 qa = _mm512_loadu_ps(q0 + i), qb = _mm512_loadu_ps(q1 + i);
+            for (int e = 0; e < 4; e++) {
+                const __m512 kv = _mm512_loadu_ps(k0 + e * hd + i);
+                a[e] = _mm512_fmadd_ps(qa, kv, a[e]);
+                b[e] = _mm512_fmadd_ps(qb, kv, b[e]);
+            }
+        }
+        if (i < hd)
+            for (int e = 0; e < 4; e++) {
+                a[e] = fma_low8(q0 + i, k0 + e * hd + i, a[e]);
+                b[e] = fma_low8(q1 + i, k0 + e * hd + i, b[e]);
+            }
+        const __m128 sa = hsum8x4_avx(fold16(a[0]), fold16(a[1]), fold16(a[2]), fold16(a[3]));
+        const __m128 sb_ = hsum8x4_avx(fold16(b[0]), fold16(b[1]), fold16(b[2]), fold16(b[3]));
+        _mm_storeu_ps(s0 + j - b0, _mm_mul_ps(sa, _mm_set1_ps(scale)));
+        _mm_storeu_ps(s1 + j - b1, _mm_mul_ps(sb_, _mm_set1_ps(scale)));
+    }
+    for (; j < j1; j++) {
+        s0[j - b0] = dot16_avx2(q0, keys + j * hd, hd) * scale;
+        s1[j - b1] = dot16_avx2(q1, keys + j * hd, hd) * scale;
+    }
+}
+
 /* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
  * code of every path from AVX2 on (the AVX-512 paths take the same 256-bit float code).
  * Every (head, row) pair gets bitwise what attend_one computes for it: each score is the
@@ -2173,7 +2284,9 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
     const int64_t per = a->nh / a->nkv;
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
     const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
-    const values_one_fn v1 = a->path >= PATH_AVX512 && g_attn_512 ? values_one_512 : values_one;
+    const int wide = a->path >= PATH_AVX512 && g_attn_512;
+    const values_one_fn v1 = wide ? values_one_512 : values_one;
+    const scores_one_fn k1 = wide ? scores_one_512 : scores_one;
     float stack[GROUP_HEADS * 512];
     float *sc = n <= 512 ? stack : malloc(sizeof(float) * (size_t)(GROUP_HEADS * n));
     if (!sc) {
@@ -2192,7 +2305,7 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
         if (n <= 0) continue;
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
-            for (int64_t x = 0; x < H; x++) scores_one(q[x], keys, j0, j1, hd, a->scale, sc + x * n, lo);
+            for (int64_t x = 0; x < H; x++) k1(q[x], keys, j0, j1, hd, a->scale, sc + x * n, lo);
         }
         for (int64_t x = 0; x < H; x++) sum[x] = softmax_avx2(sc + x * n, n);
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
@@ -2224,8 +2337,11 @@ AVX2 static void attend_pair(const void *ctx, int64_t chunk) {
     }
     const int64_t hd = a->hd, per = a->nh / a->nkv, n0 = hi0 - lo0, n1 = hi1 - lo1;
     const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
-    const values_one_fn v1 = a->path >= PATH_AVX512 && g_attn_512 ? values_one_512 : values_one;
-    const values_two_fn v2 = a->path >= PATH_AVX512 && g_attn_512 ? values_two_512 : values_two;
+    const int wide = a->path >= PATH_AVX512 && g_attn_512;
+    const values_one_fn v1 = wide ? values_one_512 : values_one;
+    const values_two_fn v2 = wide ? values_two_512 : values_two;
+    const scores_one_fn k1 = wide ? scores_one_512 : scores_one;
+    const scores_two_fn k2 = wide ? scores_two_512 : scores_two;
     float stack[GROUP_HEADS * 1024];
     float *sc = n0 + n1 <= 1024 ? stack : malloc(sizeof(float) * (size_t)(GROUP_HEADS * (n0 + n1)));
     if (!sc) {
@@ -2249,14 +2365,14 @@ AVX2 static void attend_pair(const void *ctx, int64_t chunk) {
         /* scores: each row's own keys before and after the shared ones, then the shared
          * ones a block at a time for every head (the block stays in L1) */
         for (int64_t x = 0; x < H; x++) {
-            scores_one(q0[x], keys, lo0, slo, hd, a->scale, s0[x], lo0);
-            scores_one(q0[x], keys, shi, hi0, hd, a->scale, s0[x], lo0);
-            scores_one(q1[x], keys, lo1, slo, hd, a->scale, s1[x], lo1);
-            scores_one(q1[x], keys, shi, hi1, hd, a->scale, s1[x], lo1);
+            k1(q0[x], keys, lo0, slo, hd, a->scale, s0[x], lo0);
+            k1(q0[x], keys, shi, hi0, hd, a->scale, s0[x], lo0);
+            k1(q1[x], keys, lo1, slo, hd, a->scale, s1[x], lo1);
+            k1(q1[x], keys, shi, hi1, hd, a->scale, s1[x], lo1);
         }
         for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
-            for (int64_t x = 0; x < H; x++) scores_two(q0[x], q1[x], keys, j0, j1, hd, a->scale, s0[x], lo0, s1[x], lo1);
+            for (int64_t x = 0; x < H; x++) k2(q0[x], q1[x], keys, j0, j1, hd, a->scale, s0[x], lo0, s1[x], lo1);
         }
         for (int64_t x = 0; x < H; x++) {
             sum0[x] = softmax_avx2(s0[x], n0);
