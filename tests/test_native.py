@@ -576,15 +576,19 @@ def test_tuning_knobs_change_no_result() -> None:
         for knob, value in before.items():
             native.tune(knob, value)
     assert native.tuning() == before
-    # attention's query rows in pairs or alone: the same bits (rows with and without
-    # keys of their own before and after the shared ones, and an odd last row)
-    keys, values = _cache(2, 90, 64, 11)
-    q = torch.randn(6, 5, 64, generator=torch.Generator().manual_seed(12))
-    lo, hi = torch.tensor([0, 0, 3, 0, 0]), torch.tensor([60, 61, 70, 72, 2])
+    # attention's query rows alone, in pairs or in blocks: the same bits. A pass of T rows
+    # takes up to T / 32 pairs a task, so 263 rows: blocks of up to 16 rows and an odd last
+    # block of 7; rows with keys of their own before and after the shared ones, and a
+    # block with a row that shares too few keys (it goes a row at a time)
+    keys, values = _cache(2, 300, 64, 11)
+    q = torch.randn(6, 263, 64, generator=torch.Generator().manual_seed(12))
+    hi = torch.arange(263) + 30
+    lo = torch.zeros(263, dtype=torch.long)
+    lo[5], lo[40], lo[100:110] = 3, hi[40] - 2, 50
     got = []
     try:
-        for pairs in (0, 1):
-            for wide in (0, 1):  # and the weighted values in 256- or 512-bit registers
+        for pairs in (0, 1, 3, 8):  # rows alone, in pairs, in blocks of 6 and 16 rows
+            for wide in (0, 1):  # and in 256- or 512-bit registers
                 native.tune("attention_pairs", pairs)
                 native.tune("attention_512", wide)
                 got.append(native.attend(q, keys, values, lo, hi, 0.125))
@@ -594,6 +598,8 @@ def test_tuning_knobs_change_no_result() -> None:
     assert all(torch.equal(g, got[0]) for g in got)
     with pytest.raises(ValueError, match="attention_512=2: out of the range"):
         native.tune("attention_512", 2)
+    with pytest.raises(ValueError, match="attention_pairs=9: out of the range"):
+        native.tune("attention_pairs", 9)
     with pytest.raises(ValueError, match="max_chunk_cols=3: a value >= 4"):
         native.tune("max_chunk_cols", 3)
     with pytest.raises(ValueError, match="unknown knob"):

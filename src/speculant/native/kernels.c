@@ -708,7 +708,13 @@ static int g_span_cols = 8;
 static int g_span_ahead = 2;
 #define SPAN_MAX_COLS 32
 #define SPAN_ACT_BYTES (24 * 1024) /* a pass's activations of a column past this take spans */
-static int g_attn_pairs = 1; /* attention of several rows: rows in pairs (attend_pair) */
+/* attention of several rows: the most pairs of rows a task takes (attend_rows; 0: one row
+ * at a time), every pair over the same keys and values while they are in L1. A pass of T
+ * rows takes T / 32 pairs a task (at least 1), so short passes keep a task per pair for
+ * the threads to share: on a Xeon (Emerald Rapids kind) 256 rows over 1k-4k keys took
+ * 0.78-0.84x of the time in blocks of 8 pairs as in pairs, 8 rows 1.05-1.11x. */
+static int g_attn_pairs = 8;
+#define ATTN_MAX_PAIRS 8
 static int g_attn_512 = 1;   /* attention's weighted values in 512-bit registers on the AVX-512
                               * paths (values_one_512): on a Xeon (Emerald Rapids kind)
                               * attention alone took 0.84-0.89x of the time at 2-256 rows */
@@ -731,6 +737,19 @@ static int g_chunks_per_thread = 8;
 static int g_max_chunk_cols = 512;
 static int g_rows_outer = 12288; /* rows_outer_run's L1 budget in bytes; 0: off */
 #define WIDE_ROWS 8             /* the most rows of a kq_wide tile */
+
+/* attend_rows' scores, one buffer per thread, grown as needed and freed as a pool worker
+ * ends */
+static __thread float *t_attn_scores;
+static __thread int64_t t_attn_cap;
+static float *attn_scratch(int64_t n) {
+    if (n > t_attn_cap) {
+        free(t_attn_scores);
+        t_attn_scores = malloc(sizeof(float) * (size_t)n);
+        t_attn_cap = t_attn_scores ? n : 0;
+    }
+    return t_attn_scores;
+}
 
 #define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
                          * share: on a Xeon the 1.5B's whole passes after a 64-token context
@@ -1492,6 +1511,9 @@ static void *worker_main(void *arg) {
 #ifdef SPEC_AMX
             amx_free_scratch();
 #endif
+            free(t_attn_scores);
+            t_attn_scores = NULL;
+            t_attn_cap = 0;
             return NULL;
         }
         seen = atomic_load(&pool.gen);
@@ -1577,10 +1599,10 @@ int spec_active_path(void) { return resolve_path(); }
 
 /* Benchmark knobs (results never depend on them): 0 the prefetch distance in bytes past
  * each weight unit (0: none), 1 the fewest rows a tile prefetches for, 2 chunks per
- * thread, 3 the most columns in a chunk, 4 attention takes query rows in pairs (1) or one
- * at a time (0), 5-7 spans (spans_run): blocks of a span (0: no spans), columns of a
- * group, pieces prefetched ahead, 8 rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on,
- * rows a tile, fewest rows), 12 AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13
+ * thread, 3 the most columns in a chunk, 4 the pairs of query rows an attention task
+ * takes together (0: one row at a time; at most ATTN_MAX_PAIRS), 5-7 spans (spans_run):
+ * blocks of a span (0: no spans), columns of a group, pieces prefetched ahead, 8
+ * rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on, rows a tile, fewest rows), 12 AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13
  * attention's weighted values in 512-bit registers (1) or 256-bit ones (0). A value of
  * -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the
  * knob's range, -3 for AMX tiles asked of a CPU (or OS) without them. */
@@ -1596,7 +1618,8 @@ int spec_tune(int knob, int value) {
     const int old = *knobs[knob];
     if (value == -1) return old;
     if (value < least[knob] || (knobs[knob] == &g_wide_rows && value > WIDE_ROWS) ||
-        (knobs[knob] == &g_amx_tiles && value > 2) || (knobs[knob] == &g_attn_512 && value > 1))
+        (knobs[knob] == &g_amx_tiles && value > 2) || (knobs[knob] == &g_attn_512 && value > 1) ||
+        (knobs[knob] == &g_attn_pairs && value > ATTN_MAX_PAIRS))
         return -2;
     if (knobs[knob] == &g_amx_tiles && value > 0 && !(features() & FEAT_AMX)) return -3;
     *knobs[knob] = value;
@@ -1956,7 +1979,8 @@ typedef struct {
     const int64_t *lo, *hi;
     float scale;
     int path;
-    atomic_int failed; /* a pair's score buffer could not be allocated */
+    int64_t pairs;     /* pairs of rows an attend_rows task takes */
+    atomic_int failed; /* a score buffer could not be allocated */
 } attn_t;
 
 /* One (query head, query row) pair, the portable code: chunk = h * T + t. */
@@ -2318,86 +2342,92 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
     if (sc != stack) free(sc);
 }
 
-/* Two query rows of a pass (t and t + 1) in one key/value group: bitwise what
- * attend_group computes for each (each score the same chain of fused multiply-adds, each
- * output value its terms in ascending key order), but the keys and values both rows see
- * are loaded once for the two (scores: 6 loads for 8 multiply-adds instead of 10;
- * weighted values: 6 for 8 instead of 9). Keys only one row sees go as attend_group's. */
-/* chunk = g * ((T + 1) / 2) + pair: rows 2 pair and 2 pair + 1 of group g */
-AVX2 static void attend_pair(const void *ctx, int64_t chunk) {
+/* Up to 2 ATTN_MAX_PAIRS query rows of a pass (a->pairs pairs) in one key/value
+ * group: bitwise what attend_group computes for each row (each score the same chain of
+ * fused multiply-adds, each output value its terms in ascending key order), but the keys
+ * and values every row sees are taken a block at a time for all the rows and heads while
+ * the block is in L1, so a long cache is read from memory once per block of rows, and
+ * two rows share each key and value load (scores_two, values_two). A row's keys outside
+ * the shared range go as attend_group's. chunk = g * blocks + block. */
+AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
     const attn_t *a = ctx;
-    const int64_t pairs = (a->T + 1) / 2, g = chunk / pairs, t = 2 * (chunk % pairs);
-    const int64_t lo0 = a->lo[t], hi0 = a->hi[t];
-    const int64_t lo1 = t + 1 < a->T ? a->lo[t + 1] : 0, hi1 = t + 1 < a->T ? a->hi[t + 1] : 0;
-    const int64_t slo = lo0 > lo1 ? lo0 : lo1, shi = hi0 < hi1 ? hi0 : hi1; /* keys both see */
-    if (t + 1 >= a->T || shi - slo < 4) {
-        attend_group(ctx, g * a->T + t);
-        if (t + 1 < a->T) attend_group(ctx, g * a->T + t + 1);
+    const int64_t RB = 2 * a->pairs, blocks = (a->T + RB - 1) / RB;
+    const int64_t g = chunk / blocks, t0 = chunk % blocks * RB, R = a->T - t0 < RB ? a->T - t0 : RB;
+    int64_t lo[2 * ATTN_MAX_PAIRS], hi[2 * ATTN_MAX_PAIRS], at[2 * ATTN_MAX_PAIRS];
+    int64_t slo = 0, shi = INT64_MAX, tot = 0; /* keys [slo, shi) every row sees */
+    for (int64_t r = 0; r < R; r++) {
+        lo[r] = a->lo[t0 + r];
+        hi[r] = a->hi[t0 + r] > lo[r] ? a->hi[t0 + r] : lo[r];
+        at[r] = tot;
+        tot += hi[r] - lo[r];
+        slo = lo[r] > slo ? lo[r] : slo;
+        shi = hi[r] < shi ? hi[r] : shi;
+    }
+    if (R == 1 || shi - slo < 4) {
+        for (int64_t r = 0; r < R; r++) attend_group(ctx, g * a->T + t0 + r);
         return;
     }
-    const int64_t hd = a->hd, per = a->nh / a->nkv, n0 = hi0 - lo0, n1 = hi1 - lo1;
+    const int64_t hd = a->hd, per = a->nh / a->nkv;
     const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
     const int wide = a->path >= PATH_AVX512 && g_attn_512;
     const values_one_fn v1 = wide ? values_one_512 : values_one;
     const values_two_fn v2 = wide ? values_two_512 : values_two;
     const scores_one_fn k1 = wide ? scores_one_512 : scores_one;
     const scores_two_fn k2 = wide ? scores_two_512 : scores_two;
-    float stack[GROUP_HEADS * 1024];
-    float *sc = n0 + n1 <= 1024 ? stack : malloc(sizeof(float) * (size_t)(GROUP_HEADS * (n0 + n1)));
+    float *sc = attn_scratch(GROUP_HEADS * tot);
     if (!sc) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
     }
     for (int64_t h0 = g * per; h0 < (g + 1) * per; h0 += GROUP_HEADS) {
         const int64_t H = (g + 1) * per - h0 < GROUP_HEADS ? (g + 1) * per - h0 : GROUP_HEADS;
-        const float *q0[GROUP_HEADS], *q1[GROUP_HEADS];
-        float *o0[GROUP_HEADS], *o1[GROUP_HEADS], *s0[GROUP_HEADS], *s1[GROUP_HEADS];
-        float sum0[GROUP_HEADS], sum1[GROUP_HEADS];
-        for (int64_t x = 0; x < H; x++) {
-            q0[x] = a->q + t * a->q_t + (h0 + x) * a->q_h;
-            q1[x] = q0[x] + a->q_t;
-            o0[x] = a->out + t * a->o_t + (h0 + x) * a->o_h;
-            o1[x] = o0[x] + a->o_t;
-            s0[x] = sc + x * n0; /* key j at s0[x][j - lo0] */
-            s1[x] = sc + H * n0 + x * n1;
-            for (int64_t i = 0; i < hd; i++) o0[x][i] = o1[x][i] = 0.0f;
-        }
+        const float *q[GROUP_HEADS][2 * ATTN_MAX_PAIRS];
+        float *o[GROUP_HEADS][2 * ATTN_MAX_PAIRS], *s[GROUP_HEADS][2 * ATTN_MAX_PAIRS];
+        float sum[GROUP_HEADS][2 * ATTN_MAX_PAIRS];
+        for (int64_t x = 0; x < H; x++)
+            for (int64_t r = 0; r < R; r++) {
+                q[x][r] = a->q + (t0 + r) * a->q_t + (h0 + x) * a->q_h;
+                o[x][r] = a->out + (t0 + r) * a->o_t + (h0 + x) * a->o_h;
+                s[x][r] = sc + x * tot + at[r]; /* key j at s[x][r][j - lo[r]] */
+                for (int64_t i = 0; i < hd; i++) o[x][r][i] = 0.0f;
+            }
         /* scores: each row's own keys before and after the shared ones, then the shared
-         * ones a block at a time for every head (the block stays in L1) */
-        for (int64_t x = 0; x < H; x++) {
-            k1(q0[x], keys, lo0, slo, hd, a->scale, s0[x], lo0);
-            k1(q0[x], keys, shi, hi0, hd, a->scale, s0[x], lo0);
-            k1(q1[x], keys, lo1, slo, hd, a->scale, s1[x], lo1);
-            k1(q1[x], keys, shi, hi1, hd, a->scale, s1[x], lo1);
-        }
+         * ones a block at a time for every head and row */
+        for (int64_t x = 0; x < H; x++)
+            for (int64_t r = 0; r < R; r++) {
+                k1(q[x][r], keys, lo[r], slo, hd, a->scale, s[x][r], lo[r]);
+                k1(q[x][r], keys, shi, hi[r], hd, a->scale, s[x][r], lo[r]);
+            }
         for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
-            for (int64_t x = 0; x < H; x++) k2(q0[x], q1[x], keys, j0, j1, hd, a->scale, s0[x], lo0, s1[x], lo1);
-        }
-        for (int64_t x = 0; x < H; x++) {
-            sum0[x] = softmax_avx2(s0[x], n0);
-            sum1[x] = softmax_avx2(s1[x], n1);
-        }
-        /* values in ascending key order for each row: its own keys before the shared ones,
-         * the shared ones (a block at a time, both rows), its own keys after */
-        for (int64_t x = 0; x < H; x++) {
-            v1(o0[x], s0[x], lo0, vals, lo0, slo, hd);
-            v1(o1[x], s1[x], lo1, vals, lo1, slo, hd);
-        }
-        for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
-            const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
-            for (int64_t x = 0; x < H; x++) v2(o0[x], o1[x], s0[x], lo0, s1[x], lo1, vals, j0, j1, hd);
-        }
-        for (int64_t x = 0; x < H; x++) {
-            v1(o0[x], s0[x], lo0, vals, shi, hi0, hd);
-            v1(o1[x], s1[x], lo1, vals, shi, hi1, hd);
-            for (int64_t i = 0; i < hd; i++) {
-                o0[x][i] = o0[x][i] / sum0[x];
-                o1[x][i] = o1[x][i] / sum1[x];
+            for (int64_t x = 0; x < H; x++) {
+                int64_t r = 0;
+                for (; r + 1 < R; r += 2)
+                    k2(q[x][r], q[x][r + 1], keys, j0, j1, hd, a->scale, s[x][r], lo[r], s[x][r + 1], lo[r + 1]);
+                if (r < R) k1(q[x][r], keys, j0, j1, hd, a->scale, s[x][r], lo[r]);
             }
         }
+        for (int64_t x = 0; x < H; x++)
+            for (int64_t r = 0; r < R; r++) sum[x][r] = softmax_avx2(s[x][r], hi[r] - lo[r]);
+        /* values in ascending key order for each row: its own keys before the shared ones,
+         * the shared ones (a block at a time, every row), its own keys after */
+        for (int64_t x = 0; x < H; x++)
+            for (int64_t r = 0; r < R; r++) v1(o[x][r], s[x][r], lo[r], vals, lo[r], slo, hd);
+        for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
+            const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
+            for (int64_t x = 0; x < H; x++) {
+                int64_t r = 0;
+                for (; r + 1 < R; r += 2)
+                    v2(o[x][r], o[x][r + 1], s[x][r], lo[r], s[x][r + 1], lo[r + 1], vals, j0, j1, hd);
+                if (r < R) v1(o[x][r], s[x][r], lo[r], vals, j0, j1, hd);
+            }
+        }
+        for (int64_t x = 0; x < H; x++)
+            for (int64_t r = 0; r < R; r++) {
+                v1(o[x][r], s[x][r], lo[r], vals, shi, hi[r], hd);
+                for (int64_t i = 0; i < hd; i++) o[x][r][i] = o[x][r][i] / sum[x][r];
+            }
     }
-    if (sc != stack) free(sc);
 }
 #endif
 
@@ -2416,8 +2446,10 @@ static int run_attention(attn_t *a, int nthreads) {
     jb.nchunks = nh * T;
 #ifdef SPEC_X86
     if (a->path >= PATH_AVX2) {
-        jb.task = g_attn_pairs && T > 1 ? attend_pair : attend_group;
-        jb.nchunks = g_attn_pairs && T > 1 ? a->nkv * ((T + 1) / 2) : a->nkv * T;
+        a->pairs = T / 32 < g_attn_pairs ? T / 32 : g_attn_pairs;
+        if (a->pairs < 1) a->pairs = 1;
+        jb.task = g_attn_pairs && T > 1 ? attend_rows : attend_group;
+        jb.nchunks = g_attn_pairs && T > 1 ? a->nkv * ((T + 2 * a->pairs - 1) / (2 * a->pairs)) : a->nkv * T;
     }
 #endif
     /* split only when there is enough work to pay for waking the workers */
@@ -2437,7 +2469,7 @@ int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, 
                 float *out, int nthreads) {
     if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || !ranges_ok(T, lo, hi, rows)) return -1;
     attn_t a = {q, k, v, out, T, nh, nkv, hd, rows, hd, T * hd, hd, T * hd, lo, hi, scale,
-                resolve_path(), 0};
+                resolve_path(), 0, 0};
     return run_attention(&a, nthreads);
 }
 
@@ -2473,7 +2505,7 @@ int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_
         }
     }
     attn_t a = {qr, kc, vc, out, T, nh, nkv, hd, rows, nh * hd, hd, nh * hd, hd, lo, hi, scale,
-                resolve_path(), 0};
+                resolve_path(), 0, 0};
     int rc = run_attention(&a, nthreads);
     free(qr);
     return rc;
