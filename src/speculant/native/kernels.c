@@ -2099,6 +2099,26 @@ AVX2 static void scores_two(const float *q0, const float *q1, const float *keys,
 }
 
 /* o += s[j - sb] v_j for keys j0 .. j1 - 1, in ascending order */
+/* values_one's and values_two's 8 output values at i0 */
+AVX2 static inline void values_one8(float *o, const float *s, int64_t sb, const float *vals, int64_t j0, int64_t j1,
+                                    int64_t hd, int64_t i0) {
+    __m256 y = _mm256_loadu_ps(o + i0);
+    for (int64_t j = j0; j < j1; j++)
+        y = _mm256_fmadd_ps(_mm256_set1_ps(s[j - sb]), _mm256_loadu_ps(vals + j * hd + i0), y);
+    _mm256_storeu_ps(o + i0, y);
+}
+AVX2 static inline void values_two8(float *o0, float *o1, const float *s0, int64_t b0, const float *s1, int64_t b1,
+                                    const float *vals, int64_t j0, int64_t j1, int64_t hd, int64_t i0) {
+    __m256 y = _mm256_loadu_ps(o0 + i0), z = _mm256_loadu_ps(o1 + i0);
+    for (int64_t j = j0; j < j1; j++) {
+        const __m256 vv = _mm256_loadu_ps(vals + j * hd + i0);
+        y = _mm256_fmadd_ps(_mm256_set1_ps(s0[j - b0]), vv, y);
+        z = _mm256_fmadd_ps(_mm256_set1_ps(s1[j - b1]), vv, z);
+    }
+    _mm256_storeu_ps(o0 + i0, y);
+    _mm256_storeu_ps(o1 + i0, z);
+}
+
 AVX2 static void values_one(float *o, const float *s, int64_t sb, const float *vals, int64_t j0, int64_t j1,
                             int64_t hd) {
     int64_t i0 = 0;
@@ -2112,12 +2132,7 @@ AVX2 static void values_one(float *o, const float *s, int64_t sb, const float *v
         }
         for (int b = 0; b < 8; b++) _mm256_storeu_ps(o + i0 + 8 * b, y[b]);
     }
-    for (; i0 < hd; i0 += 8) {
-        __m256 y = _mm256_loadu_ps(o + i0);
-        for (int64_t j = j0; j < j1; j++)
-            y = _mm256_fmadd_ps(_mm256_set1_ps(s[j - sb]), _mm256_loadu_ps(vals + j * hd + i0), y);
-        _mm256_storeu_ps(o + i0, y);
-    }
+    for (; i0 < hd; i0 += 8) values_one8(o, s, sb, vals, j0, j1, hd, i0);
 }
 
 AVX2 static void values_two(float *o0, float *o1, const float *s0, int64_t b0, const float *s1, int64_t b1,
@@ -2143,23 +2158,14 @@ AVX2 static void values_two(float *o0, float *o1, const float *s0, int64_t b0, c
             _mm256_storeu_ps(o1 + i0 + 8 * b, z[b]);
         }
     }
-    for (; i0 < hd; i0 += 8) {
-        __m256 y = _mm256_loadu_ps(o0 + i0), z = _mm256_loadu_ps(o1 + i0);
-        for (int64_t j = j0; j < j1; j++) {
-            const __m256 vv = _mm256_loadu_ps(vals + j * hd + i0);
-            y = _mm256_fmadd_ps(_mm256_set1_ps(s0[j - b0]), vv, y);
-            z = _mm256_fmadd_ps(_mm256_set1_ps(s1[j - b1]), vv, z);
-        }
-        _mm256_storeu_ps(o0 + i0, y);
-        _mm256_storeu_ps(o1 + i0, z);
-    }
+    for (; i0 < hd; i0 += 8) values_two8(o0, o1, s0, b0, s1, b1, vals, j0, j1, hd, i0);
 }
 
 /* values_one and values_two in 512-bit registers, for the AVX-512 paths: every output
  * value is the same chain of fused multiply-adds (its terms in ascending key order) in
  * its own lane, so the width changes no bit; on an Intel core a 512-bit multiply-add
  * costs about what a 256-bit one does. Blocks of NB registers of 16 values. */
-#define AVX512F __attribute__((target("avx512f,avx512vl,avx2,fma")))
+#define AVX512F __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
 typedef void (*values_one_fn)(float *, const float *, int64_t, const float *, int64_t, int64_t, int64_t);
 typedef void (*values_two_fn)(float *, float *, const float *, int64_t, const float *, int64_t, const float *,
                               int64_t, int64_t, int64_t);
@@ -2182,12 +2188,7 @@ AVX512F static void values_one_512(float *o, const float *s, int64_t sb, const f
     if (i0 + 64 <= hd) values_one_block(o + i0, s, sb, vals + i0, j0, j1, hd, 4), i0 += 64;
     if (i0 + 32 <= hd) values_one_block(o + i0, s, sb, vals + i0, j0, j1, hd, 2), i0 += 32;
     if (i0 + 16 <= hd) values_one_block(o + i0, s, sb, vals + i0, j0, j1, hd, 1), i0 += 16;
-    if (i0 < hd) { /* the last 8 values */
-        __m256 y = _mm256_loadu_ps(o + i0);
-        for (int64_t j = j0; j < j1; j++)
-            y = _mm256_fmadd_ps(_mm256_set1_ps(s[j - sb]), _mm256_loadu_ps(vals + j * hd + i0), y);
-        _mm256_storeu_ps(o + i0, y);
-    }
+    if (i0 < hd) values_one8(o, s, sb, vals, j0, j1, hd, i0); /* the last 8 values */
 }
 AVX512F __attribute__((always_inline)) static inline void
 values_two_block(float *o0, float *o1, const float *s0, int64_t b0, const float *s1, int64_t b1,
@@ -2217,16 +2218,7 @@ AVX512F static void values_two_512(float *o0, float *o1, const float *s0, int64_
     for (; i0 + 64 <= hd; i0 += 64) values_two_block(o0 + i0, o1 + i0, s0, b0, s1, b1, vals + i0, j0, j1, hd, 4);
     if (i0 + 32 <= hd) values_two_block(o0 + i0, o1 + i0, s0, b0, s1, b1, vals + i0, j0, j1, hd, 2), i0 += 32;
     if (i0 + 16 <= hd) values_two_block(o0 + i0, o1 + i0, s0, b0, s1, b1, vals + i0, j0, j1, hd, 1), i0 += 16;
-    if (i0 < hd) { /* the last 8 values */
-        __m256 y = _mm256_loadu_ps(o0 + i0), z = _mm256_loadu_ps(o1 + i0);
-        for (int64_t j = j0; j < j1; j++) {
-            const __m256 vv = _mm256_loadu_ps(vals + j * hd + i0);
-            y = _mm256_fmadd_ps(_mm256_set1_ps(s0[j - b0]), vv, y);
-            z = _mm256_fmadd_ps(_mm256_set1_ps(s1[j - b1]), vv, z);
-        }
-        _mm256_storeu_ps(o0 + i0, y);
-        _mm256_storeu_ps(o1 + i0, z);
-    }
+    if (i0 < hd) values_two8(o0, o1, s0, b0, s1, b1, vals, j0, j1, hd, i0); /* the last 8 values */
 }
 
 /* scores_one and scores_two in 512-bit registers (lanes 0-15 of dot16_portable in one
