@@ -194,8 +194,8 @@ def tune(knob: str, value: int) -> int:
     columns in 512-bit registers on the VNNI path, for passes of at least `wide_min_rows`
     rows, `wide_rows` (1-8) rows a tile in a pass of many rows; `amx_tiles` (only where
     `has_amx()`; 1, the default there: prefill's Q4_K matmuls on AMX tiles, 2: Q6_K's
-    too, 0 off); `attention_512` (1, the default; 0): attention's weighted values in
-    512-bit registers on the AVX-512 paths, or in 256-bit ones."""
+    too, 0 off); `attention_512` (1, the default; 0): attention's scores and weighted
+    values in 512-bit registers on the AVX-512 paths, or in 256-bit ones (the same bits)."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]

@@ -715,9 +715,11 @@ static int g_span_ahead = 2;
  * 0.78-0.84x of the time in blocks of 8 pairs as in pairs, 8 rows 1.05-1.11x. */
 static int g_attn_pairs = 8;
 #define ATTN_MAX_PAIRS 8
-static int g_attn_512 = 1;   /* attention's weighted values in 512-bit registers on the AVX-512
-                              * paths (values_one_512): on a Xeon (Emerald Rapids kind)
-                              * attention alone took 0.84-0.89x of the time at 2-256 rows */
+/* attention's scores and weighted values in 512-bit registers on the AVX-512 paths
+ * (scores_one_512, values_one_512, ...; the same bits as the 256-bit code): on a Xeon
+ * (Emerald Rapids kind) the weighted values alone made attention 0.84-0.89x of the time
+ * at 2-256 rows, both 0.72-0.85x */
+static int g_attn_512 = 1;
 /* kq_wide's two-column K-quant tiles on the VNNI path: 1 on, 0 off, -1 (the default) on
  * Intel CPUs only (resolved by features()). Measured on a Xeon (Emerald Rapids kind),
  * the 1.5B's passes interleaved off and on: 4 rows 0.92x, 8 rows 0.84x, 16 rows 0.77x,
@@ -1602,10 +1604,11 @@ int spec_active_path(void) { return resolve_path(); }
  * thread, 3 the most columns in a chunk, 4 the pairs of query rows an attention task
  * takes together (0: one row at a time; at most ATTN_MAX_PAIRS), 5-7 spans (spans_run):
  * blocks of a span (0: no spans), columns of a group, pieces prefetched ahead, 8
- * rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on, rows a tile, fewest rows), 12 AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13
- * attention's weighted values in 512-bit registers (1) or 256-bit ones (0). A value of
- * -1 only reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the
- * knob's range, -3 for AMX tiles asked of a CPU (or OS) without them. */
+ * rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on, rows a tile, fewest rows), 12
+ * AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13 attention in 512-bit registers
+ * on the AVX-512 paths (1) or 256-bit ones (0). A value of -1 only reads. Returns the old
+ * value; -1 for an unknown knob, -2 for a value out of the knob's range, -3 for AMX tiles
+ * asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
