@@ -740,17 +740,29 @@ static int g_max_chunk_cols = 512;
 static int g_rows_outer = 12288; /* rows_outer_run's L1 budget in bytes; 0: off */
 #define WIDE_ROWS 8             /* the most rows of a kq_wide tile */
 
-/* attend_rows' scores, one buffer per thread, grown as needed and freed as a pool worker
- * ends */
-static __thread float *t_attn_scores;
-static __thread int64_t t_attn_cap;
-static float *attn_scratch(int64_t n) {
-    if (n > t_attn_cap) {
-        free(t_attn_scores);
-        t_attn_scores = malloc(sizeof(float) * (size_t)n);
-        t_attn_cap = t_attn_scores ? n : 0;
+/* Per-thread buffers kept from one call to the next (grown as needed; NULL when that
+ * fails), freed as a pool worker ends: attention's scores, and the AMX tiles' column
+ * layouts. 64-byte aligned. */
+typedef struct {
+    void *p;
+    int64_t bytes;
+} scratch_t;
+static __thread scratch_t t_attn_scratch, t_amx_scratch;
+static void *scratch_get(scratch_t *s, int64_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->p);
+        s->p = aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
+        s->bytes = s->p ? bytes : 0;
     }
-    return t_attn_scores;
+    return s->p;
+}
+static void scratch_free(void) {
+    scratch_t *all[] = {&t_attn_scratch, &t_amx_scratch};
+    for (int i = 0; i < 2; i++) {
+        free(all[i]->p);
+        all[i]->p = NULL;
+        all[i]->bytes = 0;
+    }
 }
 
 #define AMX_MIN_ROWS 32 /* a pass's columns are laid out for the tiles once, which fewer rows
@@ -1057,8 +1069,6 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg_t;
 #define AMX_SUB_BYTES 512 /* one sub-block's codes of 16 columns: 8 rows x 16 columns x 4 */
-static __thread uint8_t *t_amx_scratch;
-static __thread int64_t t_amx_bytes;
 /* A column group's scales in the scratch, after its codes (4 KiB a block): Q4_K d * scale
  * and dmin * min; Q6_K scales l and l + 8, the pair 2l, 2l + 1, and d. [nk][8][16] each
  * but d ([nk][16]). */
@@ -1067,11 +1077,6 @@ typedef struct {
     int32_t *sc_l, *sc_h, *sc_pair;
     float *d;
 } amx_scales_t;
-static void amx_free_scratch(void) { /* a pool worker's, as it ends */
-    free(t_amx_scratch);
-    t_amx_scratch = NULL;
-    t_amx_bytes = 0;
-}
 
 /* r[i] <- word i of every r[j] (an 8 x 8 transpose of 32-bit words): r[i] word j is then
  * the old r[j] word i */
@@ -1276,12 +1281,8 @@ AMXF static void amx_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c
     /* codes 4 KiB a block either way; Q4_K's scales 2 x 8 x 16 floats, Q6_K's 3 x 8 x 16
      * int32 and 16 floats */
     const int64_t need = nk * (8 * AMX_SUB_BYTES + (q6 ? 3 * 8 * 16 + 16 : 2 * 8 * 16) * 4); /* amx_scales_t */
-    if (g1 > c0 && t_amx_bytes < need) {
-        free(t_amx_scratch);
-        t_amx_scratch = aligned_alloc(64, (size_t)need);
-        t_amx_bytes = t_amx_scratch ? need : 0;
-    }
-    if (g1 > c0 && t_amx_scratch) {
+    uint8_t *codes = g1 > c0 ? scratch_get(&t_amx_scratch, need) : NULL;
+    if (codes) {
         amx_cfg_t cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
@@ -1295,7 +1296,6 @@ AMXF static void amx_run(const job_t *jb, const part_t *p, int64_t c0, int64_t c
             cfg.rows[2] = 8, cfg.colsb[2] = 64;
         }
         _tile_loadconfig(&cfg);
-        uint8_t *codes = t_amx_scratch;
         float *f = (float *)(codes + nk * 8 * AMX_SUB_BYTES);
         int32_t *in = (int32_t *)f;
         const amx_scales_t sc = {f, f + nk * 128, in, in + nk * 128, in + nk * 256, f + nk * 384};
@@ -1510,12 +1510,7 @@ static void *worker_main(void *arg) {
             }
         }
         if (pool.quit) {
-#ifdef SPEC_AMX
-            amx_free_scratch();
-#endif
-            free(t_attn_scores);
-            t_attn_scores = NULL;
-            t_attn_cap = 0;
+            scratch_free();
             return NULL;
         }
         seen = atomic_load(&pool.gen);
@@ -1984,6 +1979,7 @@ typedef struct {
     int path;
     int64_t pairs;     /* pairs of rows an attend_rows task takes */
     atomic_int failed; /* a score buffer could not be allocated */
+    const void *code;  /* the vector code's attn_code_t (run_attention's choice) */
 } attn_t;
 
 /* One (query head, query row) pair, the portable code: chunk = h * T + t. */
@@ -1997,8 +1993,7 @@ static void attend_one(const void *ctx, int64_t chunk) {
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
     for (int64_t i = 0; i < a->hd; i++) o[i] = 0.0f;
     if (n <= 0) return;
-    float stack[1024];
-    float *s = n <= 1024 ? stack : malloc(sizeof(float) * (size_t)n);
+    float *s = scratch_get(&t_attn_scratch, (int64_t)sizeof(float) * n);
     if (!s) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
@@ -2013,7 +2008,6 @@ static void attend_one(const void *ctx, int64_t chunk) {
     const float sum = softmax_exp_portable(s, n, mx);
     for (int64_t j = 0; j < n; j++) axpy(o, s[j], vals + (lo + j) * a->hd, a->hd);
     for (int64_t i = 0; i < a->hd; i++) o[i] = o[i] / sum;
-    if (s != stack) free(s);
 }
 
 #ifdef SPEC_X86
@@ -2101,7 +2095,6 @@ AVX2 static void scores_two(const float *q0, const float *q1, const float *keys,
     }
 }
 
-/* o += s[j - sb] v_j for keys j0 .. j1 - 1, in ascending order */
 /* values_one's and values_two's 8 output values at i0 */
 AVX2 static inline void values_one8(float *o, const float *s, int64_t sb, const float *vals, int64_t j0, int64_t j1,
                                     int64_t hd, int64_t i0) {
@@ -2122,6 +2115,7 @@ AVX2 static inline void values_two8(float *o0, float *o1, const float *s0, int64
     _mm256_storeu_ps(o1 + i0, z);
 }
 
+/* o += s[j - sb] v_j for keys j0 .. j1 - 1, in ascending order */
 AVX2 static void values_one(float *o, const float *s, int64_t sb, const float *vals, int64_t j0, int64_t j1,
                             int64_t hd) {
     int64_t i0 = 0;
@@ -2287,6 +2281,16 @@ AVX512F static void scores_two_512(const float *q0, const float *q1, const float
     }
 }
 
+/* The vector code attention runs: 256- or 512-bit (attention_512 on an AVX-512 path) */
+typedef struct {
+    scores_one_fn k1;
+    scores_two_fn k2;
+    values_one_fn v1;
+    values_two_fn v2;
+} attn_code_t;
+static const attn_code_t attn_256 = {scores_one, scores_two, values_one, values_two};
+static const attn_code_t attn_512 = {scores_one_512, scores_two_512, values_one_512, values_two_512};
+
 /* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
  * code of every path from AVX2 on (the AVX-512 paths take the same 256-bit float code).
  * Every (head, row) pair gets bitwise what attend_one computes for it: each score is the
@@ -2303,12 +2307,11 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
     const int64_t per = a->nh / a->nkv;
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
     const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
-    const int wide = a->path >= PATH_AVX512 && g_attn_512;
-    const values_one_fn v1 = wide ? values_one_512 : values_one;
-    const scores_one_fn k1 = wide ? scores_one_512 : scores_one;
-    float stack[GROUP_HEADS * 512];
-    float *sc = n <= 512 ? stack : malloc(sizeof(float) * (size_t)(GROUP_HEADS * n));
-    if (!sc) {
+    const attn_code_t *code = a->code;
+    const scores_one_fn k1 = code->k1;
+    const values_one_fn v1 = code->v1;
+    float *sc = scratch_get(&t_attn_scratch, (int64_t)sizeof(float) * GROUP_HEADS * (n > 0 ? n : 0));
+    if (!sc && n > 0) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
     }
@@ -2334,7 +2337,6 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
         for (int64_t x = 0; x < H; x++)
             for (int64_t i = 0; i < hd; i++) o[x][i] = o[x][i] / sum[x];
     }
-    if (sc != stack) free(sc);
 }
 
 /* Up to 2 ATTN_MAX_PAIRS query rows of a pass (a->pairs pairs) in one key/value
@@ -2364,12 +2366,12 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
     }
     const int64_t hd = a->hd, per = a->nh / a->nkv;
     const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
-    const int wide = a->path >= PATH_AVX512 && g_attn_512;
-    const values_one_fn v1 = wide ? values_one_512 : values_one;
-    const values_two_fn v2 = wide ? values_two_512 : values_two;
-    const scores_one_fn k1 = wide ? scores_one_512 : scores_one;
-    const scores_two_fn k2 = wide ? scores_two_512 : scores_two;
-    float *sc = attn_scratch(GROUP_HEADS * tot);
+    const attn_code_t *code = a->code;
+    const scores_one_fn k1 = code->k1;
+    const scores_two_fn k2 = code->k2;
+    const values_one_fn v1 = code->v1;
+    const values_two_fn v2 = code->v2;
+    float *sc = scratch_get(&t_attn_scratch, (int64_t)sizeof(float) * GROUP_HEADS * tot);
     if (!sc) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
@@ -2441,6 +2443,7 @@ static int run_attention(attn_t *a, int nthreads) {
     jb.nchunks = nh * T;
 #ifdef SPEC_X86
     if (a->path >= PATH_AVX2) {
+        a->code = a->path >= PATH_AVX512 && g_attn_512 ? &attn_512 : &attn_256;
         a->pairs = T / 32 < g_attn_pairs ? T / 32 : g_attn_pairs;
         if (a->pairs < 1) a->pairs = 1;
         jb.task = g_attn_pairs && T > 1 ? attend_rows : attend_group;
@@ -2464,7 +2467,7 @@ int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, 
                 float *out, int nthreads) {
     if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || !ranges_ok(T, lo, hi, rows)) return -1;
     attn_t a = {q, k, v, out, T, nh, nkv, hd, rows, hd, T * hd, hd, T * hd, lo, hi, scale,
-                resolve_path(), 0, 0};
+                resolve_path(), 0, 0, NULL};
     return run_attention(&a, nthreads);
 }
 
@@ -2500,7 +2503,7 @@ int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_
         }
     }
     attn_t a = {qr, kc, vc, out, T, nh, nkv, hd, rows, nh * hd, hd, nh * hd, hd, lo, hi, scale,
-                resolve_path(), 0, 0};
+                resolve_path(), 0, 0, NULL};
     int rc = run_attention(&a, nthreads);
     free(qr);
     return rc;
