@@ -183,9 +183,10 @@ def tune(knob: str, value: int) -> int:
     old value. `prefetch_bytes`: how far past each weight unit a tile of at least
     `prefetch_rows` rows asks for weights (0: not at all); `chunks_per_thread` and
     `max_chunk_cols`: how the columns are cut into the chunks that threads take;
-    `attention_pairs` (0-8; 4 by default): how many pairs of a pass's query rows an
+    `attention_pairs` (0-8; 8 by default): the most pairs of a pass's query rows an
     attention task takes over the same keys and values while they are in L1 (two rows
-    share each load), 0 one row at a time; `span_blocks` (0: off),
+    share each load; a pass of T rows takes T / 32 pairs, at least one), 0 one row at a
+    time; `span_blocks` (0: off),
     `span_cols` and `span_ahead`: how a pass of a few rows over long K-quant columns goes
     a span of blocks at a time over a group of columns, and how many pieces ahead it asks
     for weights; `rows_outer` (0: off): a pass of many rows takes its row tiles outside
