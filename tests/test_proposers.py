@@ -41,6 +41,14 @@ def test_ngram_prefers_the_longest_and_most_recent_match() -> None:
     assert ngram_draft(ctx, 2, ngram_max=2) == [9, 0]  # most recent 2-gram match
 
 
+def test_ngram_default_matches_suffixes_of_up_to_eight_tokens() -> None:
+    # (3, 4, 5, 6) last continued with 80; the 7-gram (9, 1, ..., 6) only with 70
+    ctx = [9, 1, 2, 3, 4, 5, 6, 70, 71, 0, 3, 4, 5, 6, 80, 81, 0, 9, 1, 2, 3, 4, 5, 6]
+    assert NgramProposer().ngram_max == 8
+    assert ngram_draft(ctx, 2) == [70, 71]
+    assert ngram_draft(ctx, 2, ngram_max=4) == [80, 81]
+
+
 def test_ngram_overlapping_and_longer_than_k() -> None:
     assert ngram_draft([1, 2, 1, 2, 1, 2], 5) == [1, 2]  # overlap: what exists so far
     long = list(range(20)) + [50] + list(range(5))

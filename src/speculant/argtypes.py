@@ -159,7 +159,7 @@ def add_proposer_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ngram-max",
         type=int,
-        default=4,
+        default=8,
         help="ngram: longest suffix matched against earlier text",
     )
     g.add_argument(

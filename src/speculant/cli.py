@@ -23,8 +23,9 @@ DEFAULT_METHOD = "ngram"
 DEFAULT_K = 3
 # ngram drafts only as far as its match supports (see proposers/ngram.py), so a larger k
 # costs little where the output does not copy: ngram:5 beat ngram:3 on code and edit
-# prompts and matched it on chat and extraction (docs/performance.md).
-DEFAULT_K_BY_METHOD = {"ngram": 5}
+# prompts and matched it on chat and extraction, and k = 7 with 8-token n-grams beat k = 5
+# with 4-token ones on code and edits (a pass of 8 rows: docs/performance.md).
+DEFAULT_K_BY_METHOD = {"ngram": 7}
 
 EPILOG = """\
 examples:
