@@ -103,3 +103,20 @@ def test_pass_cost_bad_arguments_are_named(
         code = exc.code
     assert code != 0
     assert message in capsys.readouterr().err
+
+
+def test_pass_cost_context_longer_than_the_prompt_once(
+    pair: tuple[Model, Model], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--pass-context past what 64 copies of the prompt give: the prompt repeats further
+    (it once stopped there: 384 tokens on the Qwen2.5 tokenizer)."""
+    from speculant.bench import pass_cost
+
+    monkeypatch.setattr(pass_cost, "PROMPT", "x ")
+    target, _ = pair
+    assert target.tokenizer is not None
+    context = len(target.tokenizer.encode(pass_cost.PROMPT * 64)) + 5
+    assert context < 200  # within the tiny model's positions
+    cfg = pass_cost.PassCostConfig(widths=[1], context=context, new=2, reps=1, llama_cpp=False)
+    rows = pass_cost.measure_models([target], "target", cfg, say=lambda _: None)
+    assert len(rows) == 1 and rows[0]["pass_ms"][1] > 0

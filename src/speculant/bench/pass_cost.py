@@ -133,7 +133,7 @@ def measure_models(
     for model in models:
         tok = model.tokenizer
         assert tok is not None
-        ids = tok.encode(PROMPT * 64)[: cfg.context]
+        ids = tok.encode(PROMPT * max(64, cfg.context))[: cfg.context]  # >= 1 token each
         if len(ids) < cfg.context:
             raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
         cache = model.new_cache(cfg.context + max(cfg.widths) + cfg.new + 8)
