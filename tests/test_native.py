@@ -596,6 +596,23 @@ def test_tuning_knobs_change_no_result() -> None:
         native.tune("attention_pairs", before["attention_pairs"])
         native.tune("attention_512", before["attention_512"])
     assert all(torch.equal(g, got[0]) for g in got)
+    # a few rows over a long cache (attention_long_keys): each group's rows in as few
+    # tasks as keep the threads busy (2-16 rows in one block), the same bits as rows alone
+    for t in (2, 5, 8, 16):
+        want, spread = None, []
+        try:
+            native.tune("attention_pairs", 0)
+            want = native.attend(q[:, :t].contiguous(), keys, values, lo[:t], hi[:t], 0.125)
+            native.tune("attention_pairs", before["attention_pairs"])
+            for long_keys in (1, 10**6):
+                native.tune("attention_long_keys", long_keys)
+                spread.append(native.attend(q[:, :t].contiguous(), keys, values, lo[:t], hi[:t], 0.125))
+        finally:
+            native.tune("attention_pairs", before["attention_pairs"])
+            native.tune("attention_long_keys", before["attention_long_keys"])
+        assert all(torch.equal(g, want) for g in spread), t
+    with pytest.raises(ValueError, match="attention_long_keys=0: a value >= 1"):
+        native.tune("attention_long_keys", 0)
     with pytest.raises(ValueError, match="attention_512=2: out of the range"):
         native.tune("attention_512", 2)
     with pytest.raises(ValueError, match="attention_pairs=9: out of the range"):

@@ -175,6 +175,7 @@ TUNING_KNOBS = {
     "wide_min_rows": (11, 1),
     "amx_tiles": (12, 0),
     "attention_512": (13, 0),
+    "attention_long_keys": (14, 1),
 }
 
 
@@ -196,7 +197,9 @@ def tune(knob: str, value: int) -> int:
     rows, `wide_rows` (1-8) rows a tile in a pass of many rows; `amx_tiles` (only where
     `has_amx()`; 1, the default there: prefill's Q4_K matmuls on AMX tiles, 2: Q6_K's
     too, 0 off); `attention_512` (1, the default; 0): attention's scores and weighted
-    values in 512-bit registers on the AVX-512 paths, or in 256-bit ones (the same bits)."""
+    values in 512-bit registers on the AVX-512 paths, or in 256-bit ones (the same bits);
+    `attention_long_keys` (1024 by default): from this many keys a pass's rows make as few
+    attention tasks as keep every thread busy, each reading the keys and values once."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]
@@ -437,7 +440,8 @@ def attend(
         )
     for name, x in (("q", q), ("keys", keys), ("values", values)):
         if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32, not {x.dtype}")
+            got = x.dtype if x.dtype != torch.float32 else "a non-contiguous view"
+            raise ValueError(f"{name} must be contiguous float32, not {got}")
     lo = lo.to(torch.int64).contiguous()
     hi = hi.to(torch.int64).contiguous()
     if lo.numel() != t or hi.numel() != t:
@@ -495,7 +499,8 @@ def rope_attend(
     tensors = (("qkv", qkv), ("cos", cos), ("sin", sin), ("keys", keys), ("values", values))
     for name, x in tensors:
         if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32, not {x.dtype}")
+            got = x.dtype if x.dtype != torch.float32 else "a non-contiguous view"
+            raise ValueError(f"{name} must be contiguous float32, not {got}")
     if cos.shape != (t, hd) or sin.shape != (t, hd) or keys.shape != (nkv, rows, hd):
         raise ValueError(f"rotary tables {tuple(cos.shape)} / cache {tuple(keys.shape)}")
     lo = lo.to(torch.int64).contiguous()

@@ -714,6 +714,12 @@ static int g_span_ahead = 2;
  * the threads to share: on a Xeon (Emerald Rapids kind) 256 rows over 1k-4k keys took
  * 0.78-0.84x of the time in blocks of 8 pairs as in pairs, 8 rows 1.05-1.11x. */
 static int g_attn_pairs = 8;
+/* ... unless the cache is long: from this many keys a pass's rows are spread so that
+ * each group's rows make as few tasks as keep every thread busy (all of them on 2 threads
+ * with 2 key/value groups), each reading the keys and values once instead of once per
+ * pair. On a Xeon (Emerald Rapids kind) whole passes of 4-16 rows after 2k-4k tokens
+ * took 0.95-0.97x of the time, after 512-1k tokens 0.97-1.03x. */
+static int g_attn_long_keys = 1024;
 #define ATTN_MAX_PAIRS 8
 /* attention's scores and weighted values in 512-bit registers on the AVX-512 paths
  * (scores_one_512, values_one_512, ...; the same bits as the 256-bit code): on a Xeon
@@ -1601,7 +1607,8 @@ int spec_active_path(void) { return resolve_path(); }
  * blocks of a span (0: no spans), columns of a group, pieces prefetched ahead, 8
  * rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on, rows a tile, fewest rows), 12
  * AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13 attention in 512-bit registers
- * on the AVX-512 paths (1) or 256-bit ones (0). A value of -1 only reads. Returns the old
+ * on the AVX-512 paths (1) or 256-bit ones (0), 14 the keys from which attention
+ * spreads a pass's rows over fewer tasks (attention_long_keys). A value of -1 only reads. Returns the old
  * value; -1 for an unknown knob, -2 for a value out of the knob's range, -3 for AMX tiles
  * asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
@@ -1609,8 +1616,8 @@ int spec_tune(int knob, int value) {
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
                                  &g_span_cols,      &g_span_ahead, &g_rows_outer,
                                  &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows,
-                                 &g_amx_tiles,      &g_attn_512};
-    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0};
+                                 &g_amx_tiles,      &g_attn_512,   &g_attn_long_keys};
+    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 1};
     features(); /* resolves g_wide_tiles' and g_amx_tiles' defaults */
     if (knob < 0 || knob >= (int)(sizeof knobs / sizeof knobs[0])) return -1;
     const int old = *knobs[knob];
@@ -2444,7 +2451,16 @@ static int run_attention(attn_t *a, int nthreads) {
 #ifdef SPEC_X86
     if (a->path >= PATH_AVX2) {
         a->code = a->path >= PATH_AVX512 && g_attn_512 ? &attn_512 : &attn_256;
-        a->pairs = T / 32 < g_attn_pairs ? T / 32 : g_attn_pairs;
+        int64_t pairs = T / 32;
+        /* a long cache (its keys and values past L2): every thread's share of a group's
+         * rows in one task, so that the cache is read once per task, not once per pair */
+        const int64_t keys = hi[T - 1] - lo[T - 1];
+        if (keys >= g_attn_long_keys) {
+            const int64_t per_group = (nthreads + a->nkv - 1) / a->nkv; /* tasks a group wants */
+            const int64_t spread = (T + 2 * per_group - 1) / (2 * per_group);
+            if (spread > pairs) pairs = spread;
+        }
+        a->pairs = pairs < g_attn_pairs ? pairs : g_attn_pairs;
         if (a->pairs < 1) a->pairs = 1;
         jb.task = g_attn_pairs && T > 1 ? attend_rows : attend_group;
         jb.nchunks = g_attn_pairs && T > 1 ? a->nkv * ((T + 2 * a->pairs - 1) / (2 * a->pairs)) : a->nkv * T;
