@@ -599,14 +599,14 @@ def test_tuning_knobs_change_no_result() -> None:
     # a few rows over a long cache (attention_long_keys): each group's rows in as few
     # tasks as keep the threads busy (2-16 rows in one block), the same bits as rows alone
     for t in (2, 5, 8, 16):
-        want, spread = None, []
+        qt, spread = q[:, :t].contiguous(), []
         try:
             native.tune("attention_pairs", 0)
-            want = native.attend(q[:, :t].contiguous(), keys, values, lo[:t], hi[:t], 0.125)
+            want = native.attend(qt, keys, values, lo[:t], hi[:t], 0.125)
             native.tune("attention_pairs", before["attention_pairs"])
             for long_keys in (1, 10**6):
                 native.tune("attention_long_keys", long_keys)
-                spread.append(native.attend(q[:, :t].contiguous(), keys, values, lo[:t], hi[:t], 0.125))
+                spread.append(native.attend(qt, keys, values, lo[:t], hi[:t], 0.125))
         finally:
             native.tune("attention_pairs", before["attention_pairs"])
             native.tune("attention_long_keys", before["attention_long_keys"])
