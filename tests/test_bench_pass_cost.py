@@ -120,3 +120,41 @@ def test_pass_cost_context_longer_than_the_prompt_once(
     cfg = pass_cost.PassCostConfig(widths=[1], context=context, new=2, reps=1, llama_cpp=False)
     rows = pass_cost.measure_models([target], "target", cfg, say=lambda _: None)
     assert len(rows) == 1 and rows[0]["pass_ms"][1] > 0
+
+
+@pytest.mark.parametrize("takes_depth", [True, False])
+def test_llama_bench_runs_at_the_same_context(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, takes_depth: bool
+) -> None:
+    """llama-bench gets `-d CONTEXT` where it takes it (its passes then follow the same
+    context as ours), and the report says so where it does not."""
+    from types import SimpleNamespace
+
+    from speculant.bench import pass_cost
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "args.txt"
+    depth_help = "  -d, --n-depth <n>  (default: 0)" if takes_depth else ""
+    tool = bin_dir / "llama-bench"
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = --help ]; then echo "usage"; echo "{depth_help}"; exit 0; fi\n'
+        f'echo "$@" > {log}\n'
+        'echo \'[{"n_prompt": 1, "n_gen": 0, "avg_ts": 20.0},'
+        ' {"n_prompt": 4, "n_gen": 0, "avg_ts": 50.0},'
+        ' {"n_prompt": 0, "n_gen": 8, "avg_ts": 19.0}]\'\n'
+    )
+    tool.chmod(0o755)
+    monkeypatch.setenv("SPECULANT_LLAMA_CPP_BIN", str(bin_dir))
+    model = SimpleNamespace(name="m", source=tmp_path / "m.gguf")
+    cfg = pass_cost.PassCostConfig(widths=[1, 4], context=300, new=8, reps=1, threads=[2])
+    [row] = pass_cost.llama_bench_rows(model, "target", cfg, say=lambda _: None)  # type: ignore[arg-type]
+    args = log.read_text().split()
+    assert ("-d" in args) is takes_depth
+    if takes_depth:
+        assert args[args.index("-d") + 1] == "300"
+    assert row["depth"] == (300 if takes_depth else 0)
+    assert row["pass_ms"] == {1: 50.0, 4: 80.0} and row["plain_tok_s"] == 19.0
+    data = {"config": {"context": 300}, "rows": [row]}
+    assert ("from an empty context" in pass_cost._peer_depth(data)) is not takes_depth

@@ -14,8 +14,9 @@ weights, PyTorch's for the others) take turns within every repeat, so that the
 machine's drift falls on all alike.
 
 llama.cpp's `llama-bench` ($SPECULANT_LLAMA_CPP_BIN or PATH) runs beside it on the same
-GGUF files at the same thread counts: `-p W1,W2,... -n N`, a pass over w tokens costing
-1000 w / (pp-w tokens/s) ms (its passes start from an empty context) and its tg-N
+GGUF files at the same thread counts: `-p W1,W2,... -n N -d CONTEXT`, a pass over w
+tokens costing 1000 w / (pp-w tokens/s) ms after the same number of context tokens (a
+llama-bench without `-d` starts from an empty context, and its rows say so) and its tg-N
 tokens/s as plain decoding. When it is absent the rows say why.
 """
 
@@ -226,6 +227,7 @@ def llama_bench_rows(
     if tool is None:
         return [base | {"unavailable": f"llama-bench not found: {LLAMA_CLI_HINT}"}]
     rows = []
+    depth = cfg.context if _takes_depth(tool) else 0
     for threads in cfg.threads or [_DEFAULT_THREADS]:
         cmd = [
             str(tool),
@@ -241,10 +243,14 @@ def llama_bench_rows(
             str(min(cfg.reps, 3)),
             "-o",
             "json",
-        ]
-        say(f"{role} {model.name}: llama-bench -t {threads}")
+        ] + (["-d", str(depth)] if depth else [])
+        say(f"{role} {model.name}: llama-bench -t {threads}" + (f" -d {depth}" if depth else ""))
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        row: dict[str, Any] = base | {"threads": threads, "command": " ".join(cmd[0:1] + cmd[3:])}
+        row: dict[str, Any] = base | {
+            "threads": threads,
+            "depth": depth,
+            "command": " ".join(cmd[0:1] + cmd[3:]),
+        }
         if out.returncode != 0:
             tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
             rows.append(row | {"unavailable": f"llama-bench exited {out.returncode}: {tail}"})
@@ -263,6 +269,15 @@ def llama_bench_rows(
                 row["plain_tok_s"] = float(e["avg_ts"])
         rows.append(row)
     return rows
+
+
+def _takes_depth(tool: Path) -> bool:
+    """Whether this llama-bench takes `-d` (a context depth before each test)."""
+    try:
+        out = subprocess.run([str(tool), "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--n-depth" in out.stdout + out.stderr
 
 
 def run_pass_cost(
@@ -333,13 +348,21 @@ def engine_label(row: dict[str, Any]) -> str:
     )
 
 
+def _peer_depth(data: dict[str, Any]) -> str:
+    """What context llama.cpp's rows had, where it differs from ours."""
+    peers = [r for r in data["rows"] if r["engine"] == "llama.cpp" and "pass_ms" in r]
+    if any(r.get("depth", 0) != data["config"]["context"] for r in peers):
+        return " (llama.cpp: from an empty context; its llama-bench takes no -d)"
+    return ""
+
+
 def markdown(data: dict[str, Any]) -> str:
     widths = data["config"]["widths"]
     lines = [
         f"# Pass cost: {data['meta']['machine']['cpu']}",
         "",
         f"`{data['meta']['command']}` ({data['meta']['when']}). A pass over w new tokens after "
-        f"a {data['config']['context']}-token context (llama.cpp: from an empty context), "
+        f"a {data['config']['context']}-token context{_peer_depth(data)}, "
         "median ms and its ratio to w = 1; plain: greedy decoding tokens/s.",
         "",
         "| role | model | engine | threads | "
