@@ -158,3 +158,15 @@ def test_llama_bench_runs_at_the_same_context(
     assert row["pass_ms"] == {1: 50.0, 4: 80.0} and row["plain_tok_s"] == 19.0
     data = {"config": {"context": 300}, "rows": [row]}
     assert ("from an empty context" in pass_cost._peer_depth(data)) is not takes_depth
+
+
+def test_pass_cost_context_past_the_models_positions_is_refused(
+    pair: tuple[Model, Model],
+) -> None:
+    from speculant.bench import pass_cost
+
+    target, _ = pair
+    limit = target.config.max_seq_len
+    cfg = pass_cost.PassCostConfig(widths=[1, 8], context=limit, new=2, reps=1, llama_cpp=False)
+    with pytest.raises(ValueError, match=f"--pass-context {limit} .* has {limit}"):
+        pass_cost.measure_models([target], "target", cfg, say=lambda _: None)

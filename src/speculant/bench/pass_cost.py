@@ -132,6 +132,13 @@ def measure_models(
     ids_of: list[list[int]] = []
     caches = []
     for model in models:
+        need = cfg.context + max(cfg.widths) + cfg.new
+        if need > model.config.max_seq_len:
+            raise ValueError(
+                f"--pass-context {cfg.context} + a {max(cfg.widths)}-token pass + {cfg.new} "
+                f"decoded tokens = {need} positions: {model.name} has "
+                f"{model.config.max_seq_len}"
+            )
         tok = model.tokenizer
         assert tok is not None
         ids = tok.encode(PROMPT * max(64, cfg.context))[: cfg.context]  # >= 1 token each
