@@ -25,7 +25,9 @@ import sys
 import numpy as np
 
 
-def record(path: str, workloads: list[str], target_name: str, max_tokens: int) -> None:
+def record(
+    path: str, workloads: list[str], target_name: str, max_tokens: int, limit: int | None
+) -> None:
     from speculant.bench.runner import _reply_text
     from speculant.bench.workloads import encode_turn, load_workload
     from speculant.engine import Engine
@@ -36,7 +38,7 @@ def record(path: str, workloads: list[str], target_name: str, max_tokens: int) -
     engine = Engine(target, method="ngram", num_speculative_tokens=7)  # lossless: plain's ids
     rows = []
     for name in workloads:
-        wl = load_workload(name)
+        wl = load_workload(name).limited(limit)
         for prompt in wl.prompts:
             replies: list[str] = []
             for t in range(len(prompt.turns)):
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     rec.add_argument("--workloads", default="code,edit,chat,extraction")
     rec.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     rec.add_argument("--max-tokens", type=int, default=128)
+    rec.add_argument("--limit", type=int, default=None, help="first N prompts a workload")
     rep = sub.add_parser("replay", help="predict each setting's tokens per pass and speedup")
     rep.add_argument("path")
     rep.add_argument("--k", default="5,7")
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     rep.add_argument("--cost", action="append", default=[], help="NAME=W:COST,... (repeat)")
     args = ap.parse_args(argv)
     if args.cmd == "record":
-        record(args.path, args.workloads.split(","), args.target, args.max_tokens)
+        record(args.path, args.workloads.split(","), args.target, args.max_tokens, args.limit)
     else:
         costs = dict(parse_cost(c) for c in args.cost) or {"w1": {1: 1.0}}
         ks = [int(v) for v in args.k.split(",")]
