@@ -122,7 +122,7 @@ def test_cli_json(capsys) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_generate_default_k_follows_the_method(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Without -k, ngram (whose drafts stop where its match does) drafts up to 5, every
+    """Without -k, ngram (whose drafts stop where its match does) drafts up to 7, every
     other method 3; -k always wins."""
     import speculant
 
@@ -139,7 +139,7 @@ def test_generate_default_k_follows_the_method(capsys, monkeypatch) -> None:  # 
     for extra in ([], ["--method", "suffix"], ["-k", "2"], ["--method", "ngram", "-k", "auto"]):
         assert main([*base, *extra]) == 0
     capsys.readouterr()
-    assert seen == [("ngram", 5), ("suffix", 3), ("ngram", 2), ("ngram", "auto")]
+    assert seen == [("ngram", 7), ("suffix", 3), ("ngram", 2), ("ngram", "auto")]
 
 
 def test_cli_bad_input_is_one_clear_line(capsys) -> None:  # type: ignore[no-untyped-def]

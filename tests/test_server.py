@@ -589,8 +589,20 @@ def test_auth(server: tuple[str, AsyncEngine]) -> None:
         openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
 
 
-def test_disconnect_cancels_the_sequence(server: tuple[str, AsyncEngine]) -> None:
+def test_disconnect_cancels_the_sequence(
+    server: tuple[str, AsyncEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, engine = server
+    # steps of at least 20 ms: the tiny model could otherwise finish all 150 tokens
+    # before the hang-up is seen (a race that failed once in a full run)
+    sched = engine._sched
+    step = sched.step
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(sched, "step", slow_step)
     before = metrics(url).get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": "red", "max_tokens": 150, "stream": True, "ignore_eos": True}

@@ -1608,9 +1608,9 @@ int spec_active_path(void) { return resolve_path(); }
  * rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on, rows a tile, fewest rows), 12
  * AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13 attention in 512-bit registers
  * on the AVX-512 paths (1) or 256-bit ones (0), 14 the keys from which attention
- * spreads a pass's rows over fewer tasks (attention_long_keys). A value of -1 only reads. Returns the old
- * value; -1 for an unknown knob, -2 for a value out of the knob's range, -3 for AMX tiles
- * asked of a CPU (or OS) without them. */
+ * spreads a pass's rows over fewer tasks (attention_long_keys). A value of -1 only
+ * reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the knob's
+ * range, -3 for AMX tiles asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
     static int *const knobs[] = {&g_prefetch_bytes, &g_prefetch_rows, &g_chunks_per_thread,
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
