@@ -30,12 +30,14 @@ def record(
 ) -> None:
     from speculant.bench.runner import _reply_text
     from speculant.bench.workloads import encode_turn, load_workload
+    from speculant.cli import DEFAULT_K_BY_METHOD
     from speculant.engine import Engine
     from speculant.models.model import load_model
     from speculant.sampling import SamplingParams
 
     target = load_model(target_name)
-    engine = Engine(target, method="ngram", num_speculative_tokens=7)  # lossless: plain's ids
+    # the default drafting: lossless, so the ids are plain decoding's, only sooner
+    engine = Engine(target, method="ngram", num_speculative_tokens=DEFAULT_K_BY_METHOD["ngram"])
     rows = []
     for name in workloads:
         wl = load_workload(name).limited(limit)

@@ -144,7 +144,7 @@ def measure_models(
         ids = tok.encode(PROMPT * max(64, cfg.context))[: cfg.context]  # >= 1 token each
         if len(ids) < cfg.context:
             raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
-        cache = model.new_cache(cfg.context + max(cfg.widths) + cfg.new + 8)
+        cache = model.new_cache(need + 8)
         model.prefill(ids, cache)
         ids_of.append(ids)
         caches.append(cache)

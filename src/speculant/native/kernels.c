@@ -1986,7 +1986,7 @@ typedef struct {
     int path;
     int64_t pairs;     /* pairs of rows an attend_rows task takes */
     atomic_int failed; /* a score buffer could not be allocated */
-    const void *code;  /* the vector code's attn_code_t (run_attention's choice) */
+    const struct attn_code *code; /* the vector code (run_attention's choice) */
 } attn_t;
 
 /* One (query head, query row) pair, the portable code: chunk = h * T + t. */
@@ -2289,7 +2289,7 @@ AVX512F static void scores_two_512(const float *q0, const float *q1, const float
 }
 
 /* The vector code attention runs: 256- or 512-bit (attention_512 on an AVX-512 path) */
-typedef struct {
+typedef struct attn_code {
     scores_one_fn k1;
     scores_two_fn k2;
     values_one_fn v1;
