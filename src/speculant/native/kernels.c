@@ -888,15 +888,21 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
             const __m512i sc16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepi8_epi16(s0)),
                                                     _mm256_cvtepi8_epi16(s1), 1);
             const __m512 d = two_f16(b0 + 208, b1 + 208);
+            /* the integer sums a register of codes at a time for every row (not a row's
+             * 8 vpdpbusd in a row, one chain waiting on the last): R independent chains
+             * (exact integers, in any order the same) */
+            __m512i A[WIDE_ROWS], B[WIDE_ROWS];
+            for (int r = 0; r < R; r++) A[r] = B[r] = _mm512_setzero_si512();
+            for (int ch = 0; ch < 4; ch++)
+                for (int r = 0; r < R; r++) {
+                    const xk_t *xb = xrow[r] + u;
+                    A[r] = _mm512_dpbusd_epi32(A[r], lo[ch], both_halves(xb->q16 + 32 * ch));
+                    B[r] = _mm512_dpbusd_epi32(B[r], hi[ch], both_halves(xb->q16 + 32 * (ch + 4)));
+                }
             for (int r = 0; r < R; r++) {
                 const xk_t *xb = xrow[r] + u;
-                __m512i A = _mm512_setzero_si512(), B = _mm512_setzero_si512();
-                for (int ch = 0; ch < 4; ch++) {
-                    A = _mm512_dpbusd_epi32(A, lo[ch], both_halves(xb->q16 + 32 * ch));
-                    B = _mm512_dpbusd_epi32(B, hi[ch], both_halves(xb->q16 + 32 * (ch + 4)));
-                }
                 const __m512i bs = _mm512_madd_epi16(both_halves(xb->bsums), sc16);
-                __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(A, scA), _mm512_mullo_epi32(B, scB));
+                __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(A[r], scA), _mm512_mullo_epi32(B[r], scB));
                 sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(bs, 5));
                 acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), d), _mm512_set1_ps(xb->d), acc[r]);
             }
@@ -908,13 +914,17 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
             const __m512i mn = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)mn1, (long long)mn0));
             const __m512 dsc = _mm512_mul_ps(two_f16(b0, b1), _mm512_cvtepi32_ps(sc));
             const __m512 dmn = _mm512_mul_ps(two_f16(b0 + 2, b1 + 2), _mm512_cvtepi32_ps(mn));
+            __m512i A[WIDE_ROWS]; /* as Q6_K's, every row's sums a register at a time */
+            for (int r = 0; r < R; r++) A[r] = _mm512_setzero_si512();
+            for (int ch = 0; ch < 4; ch++)
+                for (int r = 0; r < R; r++) {
+                    const xk_t *xb = xrow[r] + u;
+                    A[r] = _mm512_dpbusd_epi32(A[r], lo[ch], both_halves(xb->q32 + 32 * ch));
+                    A[r] = _mm512_dpbusd_epi32(A[r], hi[ch], both_halves(xb->q32 + 32 * (ch + 4)));
+                }
             for (int r = 0; r < R; r++) {
                 const xk_t *xb = xrow[r] + u;
-                __m512i a = _mm512_setzero_si512();
-                for (int ch = 0; ch < 4; ch++) {
-                    a = _mm512_dpbusd_epi32(a, lo[ch], both_halves(xb->q32 + 32 * ch));
-                    a = _mm512_dpbusd_epi32(a, hi[ch], both_halves(xb->q32 + 32 * (ch + 4)));
-                }
+                const __m512i a = A[r];
                 const __m512 bs = _mm512_castsi512_ps(both_halves(xb->bs32f));
                 const __m512 v = _mm512_fnmadd_ps(bs, dmn, _mm512_mul_ps(_mm512_cvtepi32_ps(a), dsc));
                 acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xb->d), acc[r]);
