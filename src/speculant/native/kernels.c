@@ -2298,15 +2298,100 @@ AVX512F static void scores_two_512(const float *q0, const float *q1, const float
     }
 }
 
+/* Scores of four queries that share a key range, 4 keys at a time: the 16 (query, key)
+ * sums are dot16_portable's 16 lanes each, as in scores_one_512, but their lanes are
+ * added by a transpose network (lanes l and l + 8 of two sums side by side, then l and
+ * l + 4, l and l + 2, l and l + 1: hsum8's tree after lane l + lane l + 8, exactly) that
+ * ends with the 16 scores in one register, query r's 4 in its quarter r; 45 shuffles
+ * and adds for 16 scores where folding each sum alone takes twice that, and each key
+ * load serves four queries. */
+typedef void (*scores_four_fn)(const float *const *, const float *, int64_t, int64_t, int64_t, float,
+                               float *const *, const int64_t *);
+AVX512F static void scores_four_512(const float *const *q, const float *keys, int64_t j0, int64_t j1,
+                                    int64_t hd, float scale, float *const *s, const int64_t *sb) {
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        const float *k0 = keys + j * hd;
+        __m512 a[16]; /* a[4e + r]: key j + e, query r */
+        for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= hd; i += 16) {
+            __m512 qv[4];
+            for (int r = 0; r < 4; r++) qv[r] = _mm512_loadu_ps(q[r] + i);
+            for (int e = 0; e < 4; e++) {
+                const __m512 kv = _mm512_loadu_ps(k0 + e * hd + i);
+                for (int r = 0; r < 4; r++) a[4 * e + r] = _mm512_fmadd_ps(qv[r], kv, a[4 * e + r]);
+            }
+        }
+        if (i < hd)
+            for (int e = 0; e < 4; e++)
+                for (int r = 0; r < 4; r++) a[4 * e + r] = fma_low8(q[r] + i, k0 + e * hd + i, a[4 * e + r]);
+        __m512 t[8], u[4], v[2];
+        for (int k = 0; k < 8; k++) /* lanes 0-7 of a[2k] and a[2k + 1] + their lanes 8-15 */
+            t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
+                                 _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
+        for (int k = 0; k < 4; k++) /* (t0 + t4, t1 + t5, t2 + t6, t3 + t7) per sum, a quarter each */
+            u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                                 _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
+        for (int k = 0; k < 2; k++) /* (t0 + t4) + (t2 + t6), (t1 + t5) + (t3 + t7) */
+            v[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
+                                 _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
+        const __m512 z = _mm512_mul_ps(_mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88),
+                                                     _mm512_shuffle_ps(v[0], v[1], 0xDD)),
+                                       _mm512_set1_ps(scale));
+        _mm_storeu_ps(s[0] + j - sb[0], _mm512_castps512_ps128(z));
+        _mm_storeu_ps(s[1] + j - sb[1], _mm512_extractf32x4_ps(z, 1));
+        _mm_storeu_ps(s[2] + j - sb[2], _mm512_extractf32x4_ps(z, 2));
+        _mm_storeu_ps(s[3] + j - sb[3], _mm512_extractf32x4_ps(z, 3));
+    }
+    for (; j < j1; j++)
+        for (int r = 0; r < 4; r++) s[r][j - sb[r]] = dot16_avx2(q[r], keys + j * hd, hd) * scale;
+}
+
+/* values_one_512 for four queries that share a key range: each value load serves four
+ * output rows (the same chains of fused multiply-adds, keys in ascending order) */
+typedef void (*values_four_fn)(float *const *, const float *const *, const int64_t *, const float *, int64_t,
+                               int64_t, int64_t);
+AVX512F __attribute__((always_inline)) static inline void
+values_four_block(float *const *o, const float *const *s, const int64_t *sb, const float *vals, int64_t j0,
+                  int64_t j1, int64_t hd, int64_t i0, const int NB) {
+    __m512 y[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int b = 0; b < NB; b++) y[r][b] = _mm512_loadu_ps(o[r] + i0 + 16 * b);
+    for (int64_t j = j0; j < j1; j++) {
+        const float *v = vals + j * hd + i0;
+        __m512 vv[4];
+        for (int b = 0; b < NB; b++) vv[b] = _mm512_loadu_ps(v + 16 * b);
+        for (int r = 0; r < 4; r++) {
+            const __m512 p = _mm512_set1_ps(s[r][j - sb[r]]);
+            for (int b = 0; b < NB; b++) y[r][b] = _mm512_fmadd_ps(p, vv[b], y[r][b]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(o[r] + i0 + 16 * b, y[r][b]);
+}
+AVX512F static void values_four_512(float *const *o, const float *const *s, const int64_t *sb,
+                                    const float *vals, int64_t j0, int64_t j1, int64_t hd) {
+    int64_t i0 = 0;
+    for (; i0 + 64 <= hd; i0 += 64) values_four_block(o, s, sb, vals, j0, j1, hd, i0, 4);
+    if (i0 + 32 <= hd) values_four_block(o, s, sb, vals, j0, j1, hd, i0, 2), i0 += 32;
+    if (i0 + 16 <= hd) values_four_block(o, s, sb, vals, j0, j1, hd, i0, 1), i0 += 16;
+    if (i0 < hd) /* the last 8 values */
+        for (int r = 0; r < 4; r++) values_one8(o[r], s[r], sb[r], vals, j0, j1, hd, i0);
+}
+
 /* The vector code attention runs: 256- or 512-bit (attention_512 on an AVX-512 path) */
 typedef struct attn_code {
     scores_one_fn k1;
     scores_two_fn k2;
     values_one_fn v1;
     values_two_fn v2;
+    scores_four_fn k4; /* four queries at once (NULL: pairs and one at a time) */
+    values_four_fn v4;
 } attn_code_t;
-static const attn_code_t attn_256 = {scores_one, scores_two, values_one, values_two};
-static const attn_code_t attn_512 = {scores_one_512, scores_two_512, values_one_512, values_two_512};
+static const attn_code_t attn_256 = {scores_one, scores_two, values_one, values_two, NULL, NULL};
+static const attn_code_t attn_512 = {scores_one_512, scores_two_512, values_one_512,
+                                     values_two_512, scores_four_512, values_four_512};
 
 /* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
  * code of every path from AVX2 on (the AVX-512 paths take the same 256-bit float code).
@@ -2342,14 +2427,20 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
             for (int64_t i = 0; i < hd; i++) o[x][i] = 0.0f;
         }
         if (n <= 0) continue;
+        float *s[GROUP_HEADS];
+        int64_t base[GROUP_HEADS];
+        for (int64_t x = 0; x < H; x++) s[x] = sc + x * n, base[x] = lo;
+        const int64_t H4 = code->k4 ? H / 4 * 4 : 0; /* heads four at a time */
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
-            for (int64_t x = 0; x < H; x++) k1(q[x], keys, j0, j1, hd, a->scale, sc + x * n, lo);
+            for (int64_t x = 0; x < H4; x += 4) code->k4(q + x, keys, j0, j1, hd, a->scale, s + x, base + x);
+            for (int64_t x = H4; x < H; x++) k1(q[x], keys, j0, j1, hd, a->scale, s[x], lo);
         }
-        for (int64_t x = 0; x < H; x++) sum[x] = softmax_avx2(sc + x * n, n);
+        for (int64_t x = 0; x < H; x++) sum[x] = softmax_avx2(s[x], n);
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
-            for (int64_t x = 0; x < H; x++) v1(o[x], sc + x * n, lo, vals, j0, j1, hd);
+            for (int64_t x = 0; x < H4; x += 4) code->v4(o + x, (const float *const *)(s + x), base + x, vals, j0, j1, hd);
+            for (int64_t x = H4; x < H; x++) v1(o[x], s[x], lo, vals, j0, j1, hd);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t i = 0; i < hd; i++) o[x][i] = o[x][i] / sum[x];
@@ -2412,14 +2503,21 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
                 k1(q[x][r], keys, lo[r], slo, hd, a->scale, s[x][r], lo[r]);
                 k1(q[x][r], keys, shi, hi[r], hd, a->scale, s[x][r], lo[r]);
             }
+        /* over the shared keys every (head, row) is one query: four at a time where the
+         * code has it, then pairs, then one */
+        const int64_t NQ = H * R, N4 = code->k4 ? NQ / 4 * 4 : 0;
+        const float *qf[GROUP_HEADS * 2 * ATTN_MAX_PAIRS];
+        float *of[GROUP_HEADS * 2 * ATTN_MAX_PAIRS], *sf[GROUP_HEADS * 2 * ATTN_MAX_PAIRS];
+        int64_t bf[GROUP_HEADS * 2 * ATTN_MAX_PAIRS];
+        for (int64_t x = 0; x < H; x++)
+            for (int64_t r = 0; r < R; r++)
+                qf[x * R + r] = q[x][r], of[x * R + r] = o[x][r], sf[x * R + r] = s[x][r], bf[x * R + r] = lo[r];
         for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
-            for (int64_t x = 0; x < H; x++) {
-                int64_t r = 0;
-                for (; r + 1 < R; r += 2)
-                    k2(q[x][r], q[x][r + 1], keys, j0, j1, hd, a->scale, s[x][r], lo[r], s[x][r + 1], lo[r + 1]);
-                if (r < R) k1(q[x][r], keys, j0, j1, hd, a->scale, s[x][r], lo[r]);
-            }
+            int64_t i = 0;
+            for (; i < N4; i += 4) code->k4(qf + i, keys, j0, j1, hd, a->scale, sf + i, bf + i);
+            for (; i + 1 < NQ; i += 2) k2(qf[i], qf[i + 1], keys, j0, j1, hd, a->scale, sf[i], bf[i], sf[i + 1], bf[i + 1]);
+            if (i < NQ) k1(qf[i], keys, j0, j1, hd, a->scale, sf[i], bf[i]);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++) sum[x][r] = softmax_avx2(s[x][r], hi[r] - lo[r]);
@@ -2429,12 +2527,10 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
             for (int64_t r = 0; r < R; r++) v1(o[x][r], s[x][r], lo[r], vals, lo[r], slo, hd);
         for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
-            for (int64_t x = 0; x < H; x++) {
-                int64_t r = 0;
-                for (; r + 1 < R; r += 2)
-                    v2(o[x][r], o[x][r + 1], s[x][r], lo[r], s[x][r + 1], lo[r + 1], vals, j0, j1, hd);
-                if (r < R) v1(o[x][r], s[x][r], lo[r], vals, j0, j1, hd);
-            }
+            int64_t i = 0;
+            for (; i < N4; i += 4) code->v4(of + i, (const float *const *)(sf + i), bf + i, vals, j0, j1, hd);
+            for (; i + 1 < NQ; i += 2) v2(of[i], of[i + 1], sf[i], bf[i], sf[i + 1], bf[i + 1], vals, j0, j1, hd);
+            if (i < NQ) v1(of[i], sf[i], bf[i], vals, j0, j1, hd);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++) {
