@@ -413,13 +413,15 @@ def test_attention_row_alone_equals_row_in_any_pass(path: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("hd", "nh", "nkv"), [(8, 8, 2), (56, 4, 2), (72, 18, 2), (128, 8, 2), (136, 3, 3)]
+    ("hd", "nh", "nkv"),
+    [(8, 8, 2), (24, 9, 3), (56, 4, 2), (72, 18, 2), (128, 8, 2), (136, 3, 3)],
 )
 def test_attention_and_norm_paths_agree_bitwise(hd: int, nh: int, nkv: int) -> None:
     """Every path, bitwise: head sizes with and without a remainder past the vector code's
     64-value blocks (and the 512-bit code's blocks of 128, 64, 32, 16 and 8 values), key
     counts with and without one past its groups of 4, query heads per key/value head from
-    1 to 9 (more than the vector code takes at once)."""
+    1 to 9 (more than the vector code takes at once), and (head, row) queries that the
+    512-bit code takes four at a time with one or two left over."""
     if "avx2" not in native.paths():
         pytest.skip("this CPU has only the portable path")
     keys, values = _cache(nkv, 300, hd, 5)
