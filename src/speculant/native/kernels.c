@@ -2394,7 +2394,7 @@ static const attn_code_t attn_512 = {scores_one_512, scores_two_512, values_one_
                                      values_two_512, scores_four_512, values_four_512};
 
 /* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
- * code of every path from AVX2 on (the AVX-512 paths take the same 256-bit float code).
+ * code of every path from AVX2 on (the 512-bit code with attention_512, else the 256-bit).
  * Every (head, row) pair gets bitwise what attend_one computes for it: each score is the
  * same 8-lane sum of fused multiply-adds, the softmax the same exp_neg and 8-lane sum, and
  * each output value adds its terms (fused multiply-adds) in ascending key order. What differs is only the layout: the group's
@@ -2446,8 +2446,9 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
  * fused multiply-adds, each output value its terms in ascending key order), but the keys
  * and values every row sees are taken a block at a time for all the rows and heads while
  * the block is in L1, so a long cache is read from memory once per block of rows, and
- * two rows share each key and value load (scores_two, values_two). A row's keys outside
- * the shared range go as attend_group's. chunk = g * blocks + block. */
+ * four (head, row) queries share each key and value load (scores_four, values_four; two
+ * on the 256-bit code: scores_two, values_two). A row's keys outside the shared range
+ * go as attend_group's. chunk = g * blocks + block. */
 AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
     const attn_t *a = ctx;
     const int64_t RB = 2 * a->pairs, blocks = (a->T + RB - 1) / RB;
