@@ -935,10 +935,36 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
         for (int r = 0; r < R; r++) _mm512_storeu_ps(carry + 16 * r, acc[r]);
         return;
     }
+    if (R < 3) {
+        for (int r = 0; r < R; r++) {
+            float *y = jb->y + (r0 + r) * jb->ldy + p->col0 + c;
+            y[0] = hsum8_avx(_mm512_castps512_ps256(acc[r]));
+            y[1] = hsum8_avx(_mm512_extractf32x8_ps(acc[r], 1));
+        }
+        return;
+    }
+    /* 3 rows or more: every (row, column)'s 8 lanes added at once by a transpose network
+     * (lanes l and l + 4 of two rows side by side, then l and l + 2, then l and l + 1:
+     * hsum8's tree, exactly; rows past R as zeros), 21 shuffles and adds where hsum8 of
+     * each takes about 6 instructions, then one permutation into row order */
+    _Static_assert(WIDE_ROWS == 8, "the network takes 8 rows");
+    for (int r = R; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    __m512 u[4], v[2];
+    for (int k = 0; k < 4; k++)
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; k++)
+        v[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
+    /* lane 8 (r & 1) + 4 column + r / 2 holds (row r, column c + column) */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+    const __m512 w = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+    float sums[16];
+    _mm512_storeu_ps(sums, w); /* row r's two columns at 2r, 2r + 1 */
     for (int r = 0; r < R; r++) {
         float *y = jb->y + (r0 + r) * jb->ldy + p->col0 + c;
-        y[0] = hsum8_avx(_mm512_castps512_ps256(acc[r]));
-        y[1] = hsum8_avx(_mm512_extractf32x8_ps(acc[r], 1));
+        y[0] = sums[2 * r];
+        y[1] = sums[2 * r + 1];
     }
 }
 #define KQW(kind, q6, R)                                                                        \
