@@ -829,6 +829,21 @@ AVX2 static inline float hsum8_avx(__m256 a) {
  * bits. On an Intel core a 512-bit vpdpbusd costs about what a 256-bit one does; Zen 4
  * splits it in two (see g_wide_tiles). */
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define AVX512F __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
+/* hsum8 of 16 groups of 8 lanes at once (t[k] lanes 0-7 one group, 8-15 another): lanes l
+ * and l + 4 of two registers side by side, then l and l + 2, then l and l + 1, which is
+ * hsum8's tree exactly, 21 shuffles and adds where hsum8 of each takes about 6
+ * instructions. Group g of t[k] (g = 0: lanes 0-7) ends in lane 8 (k & 1) + 4 g + k / 2. */
+AVX512F __attribute__((always_inline)) static inline __m512 hsum8_x16(const __m512 t[8]) {
+    __m512 u[4], v[2];
+    for (int k = 0; k < 4; k++) /* (t0 + t4, t1 + t5, t2 + t6, t3 + t7) per group, a quarter each */
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; k++) /* (t0 + t4) + (t2 + t6), (t1 + t5) + (t3 + t7) */
+        v[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
 VNNI512 static inline __m512i two_halves(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -943,22 +958,13 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
         }
         return;
     }
-    /* 3 rows or more: every (row, column)'s 8 lanes added at once by a transpose network
-     * (lanes l and l + 4 of two rows side by side, then l and l + 2, then l and l + 1:
-     * hsum8's tree, exactly; rows past R as zeros), 21 shuffles and adds where hsum8 of
-     * each takes about 6 instructions, then one permutation into row order */
-    _Static_assert(WIDE_ROWS == 8, "the network takes 8 rows");
+    /* 3 rows or more: every (row, column)'s 8 lanes at once (hsum8_x16; rows past R as
+     * zeros), then one permutation into row order: (row r, column c + col) comes out in
+     * lane 8 (r & 1) + 4 col + r / 2 */
+    _Static_assert(WIDE_ROWS == 8, "hsum8_x16 takes 8 rows");
     for (int r = R; r < 8; r++) acc[r] = _mm512_setzero_ps();
-    __m512 u[4], v[2];
-    for (int k = 0; k < 4; k++)
-        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], 0xDD));
-    for (int k = 0; k < 2; k++)
-        v[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
-                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
-    /* lane 8 (r & 1) + 4 column + r / 2 holds (row r, column c + column) */
-    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
-    const __m512 w = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+    const __m512 w = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                           hsum8_x16(acc));
     float sums[16];
     _mm512_storeu_ps(sums, w); /* row r's two columns at 2r, 2r + 1 */
     for (int r = 0; r < R; r++) {
@@ -2205,7 +2211,6 @@ AVX2 static void values_two(float *o0, float *o1, const float *s0, int64_t b0, c
  * value is the same chain of fused multiply-adds (its terms in ascending key order) in
  * its own lane, so the width changes no bit; on an Intel core a 512-bit multiply-add
  * costs about what a 256-bit one does. Blocks of NB registers of 16 values. */
-#define AVX512F __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
 typedef void (*values_one_fn)(float *, const float *, int64_t, const float *, int64_t, int64_t, int64_t);
 typedef void (*values_two_fn)(float *, float *, const float *, int64_t, const float *, int64_t, const float *,
                               int64_t, int64_t, int64_t);
@@ -2326,11 +2331,11 @@ AVX512F static void scores_two_512(const float *q0, const float *q1, const float
 
 /* Scores of four queries that share a key range, 4 keys at a time: the 16 (query, key)
  * sums are dot16_portable's 16 lanes each, as in scores_one_512, but their lanes are
- * added by a transpose network (lanes l and l + 8 of two sums side by side, then l and
- * l + 4, l and l + 2, l and l + 1: hsum8's tree after lane l + lane l + 8, exactly) that
- * ends with the 16 scores in one register, query r's 4 in its quarter r; 45 shuffles
- * and adds for 16 scores where folding each sum alone takes twice that, and each key
- * load serves four queries. */
+ * added by a transpose network (lanes l and l + 8 of two sums side by side, then
+ * hsum8_x16: hsum8's tree after lane l + lane l + 8, exactly) that ends with the 16
+ * scores in one register, query r's 4 in its quarter r; 45 shuffles and adds for 16
+ * scores where folding each sum alone takes twice that, and each key load serves four
+ * queries. */
 typedef void (*scores_four_fn)(const float *const *, const float *, int64_t, int64_t, int64_t, float,
                                float *const *, const int64_t *);
 AVX512F static void scores_four_512(const float *const *q, const float *keys, int64_t j0, int64_t j1,
@@ -2352,19 +2357,13 @@ AVX512F static void scores_four_512(const float *const *q, const float *keys, in
         if (i < hd)
             for (int e = 0; e < 4; e++)
                 for (int r = 0; r < 4; r++) a[4 * e + r] = fma_low8(q[r] + i, k0 + e * hd + i, a[4 * e + r]);
-        __m512 t[8], u[4], v[2];
+        __m512 t[8];
         for (int k = 0; k < 8; k++) /* lanes 0-7 of a[2k] and a[2k + 1] + their lanes 8-15 */
             t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0x44),
                                  _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], 0xEE));
-        for (int k = 0; k < 4; k++) /* (t0 + t4, t1 + t5, t2 + t6, t3 + t7) per sum, a quarter each */
-            u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
-                                 _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
-        for (int k = 0; k < 2; k++) /* (t0 + t4) + (t2 + t6), (t1 + t5) + (t3 + t7) */
-            v[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
-                                 _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
-        const __m512 z = _mm512_mul_ps(_mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88),
-                                                     _mm512_shuffle_ps(v[0], v[1], 0xDD)),
-                                       _mm512_set1_ps(scale));
+        /* a[4e + r]'s sum is group (r & 1) of t[2e + r / 2]: lane 4 (r & 1) + 8 (r / 2) + e
+         * by hsum8_x16, that is quarter r, key e */
+        const __m512 z = _mm512_mul_ps(hsum8_x16(t), _mm512_set1_ps(scale));
         _mm_storeu_ps(s[0] + j - sb[0], _mm512_castps512_ps128(z));
         _mm_storeu_ps(s[1] + j - sb[1], _mm512_extractf32x4_ps(z, 1));
         _mm_storeu_ps(s[2] + j - sb[2], _mm512_extractf32x4_ps(z, 2));
