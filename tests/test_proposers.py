@@ -12,7 +12,7 @@ from speculant import Engine, SamplingParams
 from speculant.adaptive import AdaptiveK
 from speculant.proposers import available_methods, make_proposer
 from speculant.proposers.layer_skip import LayerSkipProposer, block_influence, calibration_ids
-from speculant.proposers.ngram import NgramProposer
+from speculant.proposers.ngram import NgramProposer, scaled_take
 
 GREEDY = SamplingParams()
 GEN = torch.Generator()
@@ -56,13 +56,22 @@ def test_ngram_overlapping_and_longer_than_k() -> None:
 
 
 def test_ngram_drafts_as_many_as_the_match_is_long() -> None:
-    """match_scaled (the default): a match of L tokens drafts max(1, L // 2) of the k."""
-    # (7, 8) matched 2 tokens back: one draft token
-    assert ngram_draft([7, 8, 9, 10, 11, 3, 7, 8], 3, match_scaled=True) == [9]
-    # a 6-token copy (the 4-gram, then 2 more before it): 3 tokens
+    """match_scaled (the default): a match of L tokens drafts max(2, 2L // 3) of the k."""
+    # (7, 8) matched 2 tokens back: two draft tokens, the least any match drafts
+    assert ngram_draft([7, 8, 9, 10, 11, 3, 7, 8], 3, match_scaled=True) == [9, 10]
+    # ... unless the continuation ends first
+    assert ngram_draft([7, 8, 9, 7, 8], 3, match_scaled=True) == [9, 7]
+    assert ngram_draft([7, 8, 7, 8], 3, match_scaled=True) == [7, 8]
+    # a 6-token copy (the 4-gram, then 2 more before it): 4 tokens
     ctx = [5, 6, 1, 2, 3, 4, 40, 41, 42, 43, 0, 5, 6, 1, 2, 3, 4]
-    assert ngram_draft(ctx, 8, match_scaled=True) == [40, 41, 42]
+    assert ngram_draft(ctx, 8, match_scaled=True) == [40, 41, 42, 43]
     assert ngram_draft(ctx, 8) == [40, 41, 42, 43, 0, 5, 6, 1]  # unscaled: k
+    # a 7-token copy: still 4 (two thirds, rounded down); 9 tokens: 6
+    head = [21, 22, 8, 5, 6, 1, 2, 3, 4]
+    ctx = head + [40, 41, 42, 43, 0]
+    assert ngram_draft(ctx + head[2:], 8, match_scaled=True) == [40, 41, 42, 43]
+    assert ngram_draft(ctx + head, 8, match_scaled=True) == [40, 41, 42, 43, 0, 21]
+    assert [scaled_take(n) for n in (1, 2, 3, 5, 6, 9, 12)] == [2, 2, 2, 3, 4, 6, 8]
     # a long copied span drafts all k; k still caps it
     span = list(range(100, 140))
     assert ngram_draft(span + [0] + span[:30], 6, match_scaled=True) == span[30:36]

@@ -2,12 +2,19 @@
 tokens (n from ngram_max down to ngram_min), in the prompt and the output so far.
 
 How many of the k tokens to draft follows the evidence: the match is extended backwards
-past the n-gram (up to 64 tokens), and a match of L tokens drafts max(1, L // 2) of
+past the n-gram (up to 64 tokens), and a match of L tokens drafts max(2, 2L // 3) of
 them (`match_scaled`, the default). A two- or three-token coincidence in free text then
-costs one extra row in the verify pass, while a long copied span (an edit, code that
+costs two extra rows in the verify pass, while a long copied span (an edit, code that
 repeats its input) drafts all k. On the shipped code / edit / chat / extraction prompts
-with the 1.5B's greedy outputs, at k = 6, this drafted fewer wasted rows and gave
-+2-19% more tokens per unit of verify cost than drafting k on every match.
+with the 1.5B's greedy outputs, at k = 6, scaling by the match (then max(1, L // 2))
+drafted fewer wasted rows and gave +2-19% more tokens per unit of verify cost than
+drafting k on every match. Replaying the 1.5B's greedy outputs on nine workloads
+(scripts/replay_ngram.py; code, edit, chat, extraction: ten prompts each;
+summarization, translation, qa, math, rag: five) with the pass costs of the Intel Xeon
+and the Zen 4 EPYC, max(2, 2L // 3) gave 1.023x / 1.011x the predicted decoding speed of
+max(1, L // 2) (geometric means over the workloads; 0.99-1.06x each): a second row costs
+little beside a pass's first one, and a short match's first two tokens land together
+often enough to pay for it.
 
 Which earlier occurrence: the one that ends the longest matching suffix, up to
 ngram_max = 8 tokens (ties: the most recent). Replaying the 1.5B's greedy outputs on all
@@ -111,13 +118,19 @@ class NgramProposer:
                 continuation = toks[end : end + k]
                 if continuation:
                     if self.match_scaled:
-                        take = max(1, _match_length(toks, end, n) // 2)
-                        continuation = continuation[:take]
+                        continuation = continuation[: scaled_take(_match_length(toks, end, n))]
                     return Draft(list(continuation))
         return Draft([])
 
 
 MATCH_CAP = 64  # the longest match measured backwards (drafts never need more)
+MIN_TAKE = 2  # what even the shortest match drafts (the module docstring says why)
+
+
+def scaled_take(match_length: int) -> int:
+    """How many tokens a match of `match_length` tokens drafts (k caps it): two thirds of
+    the match, at least MIN_TAKE."""
+    return max(MIN_TAKE, 2 * match_length // 3)
 
 
 def _match_length(toks: list[int], end: int, n: int) -> int:
