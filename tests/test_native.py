@@ -7,6 +7,7 @@ real models (greedy speculative output equals plain output)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -283,6 +284,31 @@ def test_amx_tiles_beside_other_parts() -> None:
             assert torch.equal(fused, off), amx
     finally:
         native.tune("amx_tiles", before)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+def test_vendor_defaults() -> None:
+    """The knobs measured on Intel CPUs only (two-column tiles, the L2 prefetch) are on by
+    default there and off on every other CPU; read in a fresh process, before any test
+    tunes them."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from speculant import native; print(json.dumps(native.tuning()))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got = json.loads(out.stdout)
+    cpuinfo = Path("/proc/cpuinfo")
+    vendor = cpuinfo.read_text() if cpuinfo.exists() else ""
+    intel = "GenuineIntel" in vendor
+    assert got["prefetch_l2_bytes"] == (4096 if intel else 0), got
+    if native.active_path() != "avx512vnni":
+        return  # wide tiles only exist on the VNNI path
+    assert got["wide_tiles"] == (1 if intel else 0), got
 
 
 def test_amx_knob_says_when_the_cpu_lacks_tiles() -> None:
@@ -563,17 +589,23 @@ def test_tuning_knobs_change_no_result() -> None:
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(10))
     before = native.tuning()
     want = matrix.matmul(x, threads=2)
+    want_one = matrix.matmul(x[:1], threads=2)
     try:
         for knob, value in [
             ("prefetch_rows", 0),
             ("prefetch_bytes", 64),
             ("prefetch_bytes", 0),
             ("prefetch_bytes", 8192),
+            ("prefetch_l2_bytes", 0),
+            ("prefetch_l2_bytes", 64),
+            ("prefetch_l2_rows", 8),
+            ("prefetch_l2_bytes", 8192),
             ("max_chunk_cols", 4),
         ]:
             native.tune(knob, value)
             native.tune("chunks_per_thread", 1 if knob == "max_chunk_cols" else 64)
             assert torch.equal(matrix.matmul(x, threads=2), want), knob
+            assert torch.equal(matrix.matmul(x[:1], threads=2), want_one), knob
     finally:
         for knob, value in before.items():
             native.tune(knob, value)

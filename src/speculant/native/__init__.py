@@ -176,6 +176,8 @@ TUNING_KNOBS = {
     "amx_tiles": (12, 0),
     "attention_512": (13, 0),
     "attention_long_keys": (14, 1),
+    "prefetch_l2_bytes": (15, 0),
+    "prefetch_l2_rows": (16, 0),
 }
 
 
@@ -199,7 +201,10 @@ def tune(knob: str, value: int) -> int:
     too, 0 off); `attention_512` (1, the default; 0): attention's scores and weighted
     values in 512-bit registers on the AVX-512 paths, or in 256-bit ones (the same bits);
     `attention_long_keys` (1024 by default): from this many keys a pass's rows make as few
-    attention tasks as keep every thread busy, each reading the keys and values once."""
+    attention tasks as keep every thread busy, each reading the keys and values once;
+    `prefetch_l2_bytes` (0: off; 4096 by default on Intel CPUs, 0 elsewhere): tiles of at
+    most `prefetch_l2_rows` rows also ask for the weights this many bytes past the L1
+    prefetch into L2."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
     knob_id, least = TUNING_KNOBS[knob]

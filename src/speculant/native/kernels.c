@@ -701,6 +701,22 @@ static inline int kind_of(int type) {
  * columns) at 8 rows 0.74x. */
 static int g_prefetch_rows = 1;
 static int g_prefetch_bytes = 2048;
+/* ... and, in tiles of at most g_prefetch_l2_rows rows, the lines g_prefetch_l2_bytes past
+ * those into L2 (_MM_HINT_T1; 0: not). A core has few L1 fill buffers; asking L2 for the
+ * weights well ahead lets more of the stream be in flight, so that the L1 prefetch finds
+ * its lines in L2. -1 (the default): resolved by features(), on Intel CPUs only (measured
+ * there, PREFETCH_L2_INTEL); elsewhere 0. */
+static int g_prefetch_l2_bytes = -1;
+static int g_prefetch_l2_rows = 4;
+#define PREFETCH_L2_INTEL 4096
+/* the prefetches of a tile of weight units of ub bytes at b, pfd / pf2 as above */
+#define PREFETCH_UNIT(b, ub, pfd, pf2)                                                            \
+    do {                                                                                          \
+        for (int64_t o_ = 0; o_ < (ub); o_ += 64) {                                               \
+            _mm_prefetch((const char *)(b) + (pfd) + o_, _MM_HINT_T0);                            \
+            if (pf2) _mm_prefetch((const char *)(b) + (pfd) + (pf2) + o_, _MM_HINT_T1);           \
+        }                                                                                         \
+    } while (0)
 /* Spans (spans_run): blocks a span takes (0: none), columns taken together, and how many
  * pieces ahead the weights are asked for. */
 static int g_span_blocks = 4;
@@ -875,13 +891,13 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
     __m512 acc[WIDE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = u0 ? _mm512_loadu_ps(carry + 16 * r) : _mm512_setzero_ps();
     const int64_t pfd = !carry && R >= g_prefetch_rows ? g_prefetch_bytes : 0;
+    const int64_t pf2 = pfd && R <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *b0 = w0 + u * ub, *b1 = w1 + u * ub;
-        if (pfd)
-            for (int64_t o = 0; o < ub; o += 64) {
-                _mm_prefetch((const char *)b0 + pfd + o, _MM_HINT_T0);
-                _mm_prefetch((const char *)b1 + pfd + o, _MM_HINT_T0);
-            }
+        if (pfd) {
+            PREFETCH_UNIT(b0, ub, pfd, pf2);
+            PREFETCH_UNIT(b1, ub, pfd, pf2);
+        }
         __m512i lo[4], hi[4];
         for (int ch = 0; ch < 4; ch++) {
             const int at = (q6 ? 0 : 16) + 32 * ch;
@@ -1444,8 +1460,10 @@ static int features(void) {
             f |= FEAT_AMX;
 #endif
         if (g_wide_tiles < 0) g_wide_tiles = __builtin_cpu_is("intel") ? 1 : 0;
+        if (g_prefetch_l2_bytes < 0) g_prefetch_l2_bytes = __builtin_cpu_is("intel") ? PREFETCH_L2_INTEL : 0;
 #else
         if (g_wide_tiles < 0) g_wide_tiles = 0;
+        if (g_prefetch_l2_bytes < 0) g_prefetch_l2_bytes = 0;
 #endif
         /* on where the CPU has them: a 1,170-token prefill of the 1.5B 0.66-0.72x of the
          * time on a Xeon */
@@ -1650,7 +1668,8 @@ int spec_active_path(void) { return resolve_path(); }
  * rows_outer_run's L1 budget, 9-11 kq_wide's tiles (on, rows a tile, fewest rows), 12
  * AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13 attention in 512-bit registers
  * on the AVX-512 paths (1) or 256-bit ones (0), 14 the keys from which attention
- * spreads a pass's rows over fewer tasks (attention_long_keys). A value of -1 only
+ * spreads a pass's rows over fewer tasks (attention_long_keys), 15-16 the L2 prefetch
+ * (bytes past the L1 prefetch, 0: none; the most rows of a tile that issues it). A value of -1 only
  * reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the knob's
  * range, -3 for AMX tiles asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
@@ -1658,9 +1677,10 @@ int spec_tune(int knob, int value) {
                                  &g_max_chunk_cols, &g_attn_pairs,   &g_span_blocks,
                                  &g_span_cols,      &g_span_ahead, &g_rows_outer,
                                  &g_wide_tiles,     &g_wide_rows,  &g_wide_min_rows,
-                                 &g_amx_tiles,      &g_attn_512,   &g_attn_long_keys};
-    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 1};
-    features(); /* resolves g_wide_tiles' and g_amx_tiles' defaults */
+                                 &g_amx_tiles,      &g_attn_512,   &g_attn_long_keys,
+                                 &g_prefetch_l2_bytes, &g_prefetch_l2_rows};
+    static const int least[] = {0, 0, 1, 4, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 1, 0, 0};
+    features(); /* resolves g_wide_tiles', g_amx_tiles' and g_prefetch_l2_bytes' defaults */
     if (knob < 0 || knob >= (int)(sizeof knobs / sizeof knobs[0])) return -1;
     const int old = *knobs[knob];
     if (value == -1) return old;

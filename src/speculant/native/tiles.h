@@ -68,12 +68,12 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
         for (int cc = 0; cc < C; cc++)
             acc[r][cc] = u0 ? _mm256_loadu_ps(carry + 8 * (r * C + cc)) : _mm256_setzero_ps();
     const int64_t pfd = !carry && R >= g_prefetch_rows ? g_prefetch_bytes : 0;
+    const int64_t pf2 = pfd && R <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *blk[TL_COLS];
         for (int cc = 0; cc < C; cc++) {
             blk[cc] = wrow[cc] + u * ub;
-            if (pfd)
-                for (int64_t o = 0; o < ub; o += 64) _mm_prefetch((const char *)blk[cc] + pfd + o, _MM_HINT_T0);
+            if (pfd) PREFETCH_UNIT(blk[cc], ub, pfd, pf2);
         }
         /* Q6_K: A sums registers 0-3, B registers 4-7; Q4_K: A sums all 8 (or A and B
          * split as Q6_K's, added before the scale, in tiles of up to 2 rows) */
@@ -180,12 +180,12 @@ TL_FN(lg_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     for (int r = 0; r < R; r++)
         for (int cc = 0; cc < C; cc++) acc[r][cc] = _mm256_setzero_ps();
     const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_bytes : 0;
+    const int64_t pf2 = pfd && R <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *g[TL_COLS];
         for (int cc = 0; cc < C; cc++) {
             g[cc] = wrow[cc] + u * ub;
-            if (pfd)
-                for (int64_t o = 0; o < ub; o += 64) _mm_prefetch((const char *)g[cc] + pfd + o, _MM_HINT_T0);
+            if (pfd) PREFETCH_UNIT(g[cc], ub, pfd, pf2);
         }
         /* lane l: block l in every register, so one sum */
         __m256i A[MAX_ROWS_TILE][TL_COLS];
