@@ -203,7 +203,7 @@ def tune(knob: str, value: int) -> int:
     `attention_long_keys` (1024 by default): from this many keys a pass's rows make as few
     attention tasks as keep every thread busy, each reading the keys and values once;
     `prefetch_l2_bytes` (0: off; 4096 by default on Intel CPUs, 0 elsewhere): tiles of at
-    most `prefetch_l2_rows` rows also ask for the weights this many bytes past the L1
+    most `prefetch_l2_rows` rows (8) also ask for the weights this many bytes past the L1
     prefetch into L2."""
     if knob not in TUNING_KNOBS:
         raise ValueError(f"unknown knob {knob!r}: one of {', '.join(TUNING_KNOBS)}")
