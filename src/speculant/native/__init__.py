@@ -202,7 +202,7 @@ def tune(knob: str, value: int) -> int:
     values in 512-bit registers on the AVX-512 paths, or in 256-bit ones (the same bits);
     `attention_long_keys` (1024 by default): from this many keys a pass's rows make as few
     attention tasks as keep every thread busy, each reading the keys and values once;
-    `prefetch_l2_bytes` (0: off; 4096 by default on Intel CPUs, 0 elsewhere): tiles of at
+    `prefetch_l2_bytes` (0: off; 4096 by default on Intel CPUs, 0 elsewhere): passes of at
     most `prefetch_l2_rows` rows (8) also ask for the weights this many bytes past the L1
     prefetch into L2."""
     if knob not in TUNING_KNOBS:

@@ -701,16 +701,16 @@ static inline int kind_of(int type) {
  * columns) at 8 rows 0.74x. */
 static int g_prefetch_rows = 1;
 static int g_prefetch_bytes = 2048;
-/* ... and, in tiles of at most g_prefetch_l2_rows rows, the lines g_prefetch_l2_bytes past
- * those into L2 (_MM_HINT_T1; 0: not). A core has few L1 fill buffers; asking L2 for the
+/* ... and, in passes of at most g_prefetch_l2_rows rows (a decode step, a verify pass: the
+ * weights stream from memory once; a prefill chunk's tiles find them in L2), the lines
+ * g_prefetch_l2_bytes past those into L2 (_MM_HINT_T1; 0: not). A core has few L1 fill buffers; asking L2 for the
  * weights well ahead lets more of the stream be in flight, so that the L1 prefetch finds
  * its lines in L2. -1 (the default): resolved by features(), on Intel CPUs only (measured
  * there, PREFETCH_L2_INTEL); elsewhere 0. On a Xeon (Emerald Rapids kind), whole passes of
  * the 1.5B with it against without: 1 row 0.87-0.88x, 2 rows 0.92-0.95x, 4 rows
  * 0.87-0.89x, 8 and 16 rows 0.98-1.03x (noise); 2 or 8 KiB past instead of 4: within
- * noise; tiles of up to 8 rows against up to 4: 5 rows 0.93x, 6 rows 0.95x, 16 rows 0.94x
- * (its 4-row tiles), a 256-row prefill chunk 0.99x. Keys and values of attention asked
- * into L2 a block or more ahead: 1.02-1.04x (not kept). */
+ * noise; passes of up to 8 rows against up to 4: 5 rows 0.93x, 6 rows 0.95x. Keys and
+ * values of attention asked into L2 a block or more ahead: 1.02-1.04x (not kept). */
 static int g_prefetch_l2_bytes = -1;
 static int g_prefetch_l2_rows = 8;
 #define PREFETCH_L2_INTEL 4096
@@ -896,7 +896,7 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
     __m512 acc[WIDE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = u0 ? _mm512_loadu_ps(carry + 16 * r) : _mm512_setzero_ps();
     const int64_t pfd = !carry && R >= g_prefetch_rows ? g_prefetch_bytes : 0;
-    const int64_t pf2 = pfd && R <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
+    const int64_t pf2 = pfd && jb->m <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *b0 = w0 + u * ub, *b1 = w1 + u * ub;
         if (pfd) {
@@ -1674,7 +1674,7 @@ int spec_active_path(void) { return resolve_path(); }
  * AMX tiles for prefill (0 off, 1 Q4_K, 2 Q6_K too), 13 attention in 512-bit registers
  * on the AVX-512 paths (1) or 256-bit ones (0), 14 the keys from which attention
  * spreads a pass's rows over fewer tasks (attention_long_keys), 15-16 the L2 prefetch
- * (bytes past the L1 prefetch, 0: none; the most rows of a tile that issues it). A value of -1 only
+ * (bytes past the L1 prefetch, 0: none; the most rows of a pass that issues it). A value of -1 only
  * reads. Returns the old value; -1 for an unknown knob, -2 for a value out of the knob's
  * range, -3 for AMX tiles asked of a CPU (or OS) without them. */
 int spec_tune(int knob, int value) {
