@@ -757,8 +757,11 @@ static int g_wide_rows = 8; /* rows of a kq_wide tile, 1..WIDE_ROWS */
  * has them), 2 Q6_K's too (a 1,170-token prefill measured no faster: 0.70x against
  * 0.66x of the time without tiles, within this Xeon's noise) */
 static int g_amx_tiles = -1;
-static int g_wide_min_rows = 3; /* passes of fewer rows keep kq_tile's one-column tiles (on a
-                                 * Xeon, 2 rows: 1.02x; 3 rows: 0.96x of their time) */
+static int g_wide_min_rows = 1; /* passes of fewer rows keep kq_tile's one-column tiles. On a
+                                 * Xeon (Emerald Rapids kind) with the L2 prefetch, whole
+                                 * passes of the 1.5B with every pass on kq_wide against from
+                                 * 3 rows: 1 row 0.968-0.984x, 2 rows 0.958-0.987x (three runs);
+                                 * before the L2 prefetch, 2 rows 1.02x, 3 rows 0.96x */
 
 /* Threads take chunks of about columns / (threads x g_chunks_per_thread) columns, at most
  * g_max_chunk_cols: long runs of contiguous weights for each core's stream. */
@@ -840,7 +843,8 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 #include "tiles.h"
 
 /* A K-quant tile of R rows (1..WIDE_ROWS) by two columns in 512-bit registers, for
- * verify passes of 3-8 rows (cols_run, spans_run) and prefills (rows_outer_run). Each
+ * decode steps and verify passes of up to 8 rows (cols_run, spans_run; g_wide_min_rows)
+ * and prefills (rows_outer_run). Each
  * code register of kq_tile (32 bytes, "ch") becomes a 512-bit one holding column c's
  * codes in its low half and column c + 1's in its high half, and the row's 32
  * activation bytes go to both halves, so one vpdpbusd does the work of two of
