@@ -703,17 +703,23 @@ static int g_prefetch_rows = 1;
 static int g_prefetch_bytes = 2048;
 /* ... and, in passes of at most g_prefetch_l2_rows rows (a decode step, a verify pass: the
  * weights stream from memory once; a prefill chunk's tiles find them in L2), the lines
- * g_prefetch_l2_bytes past those into L2 (_MM_HINT_T1; 0: not). A core has few L1 fill buffers; asking L2 for the
- * weights well ahead lets more of the stream be in flight, so that the L1 prefetch finds
- * its lines in L2. -1 (the default): resolved by features(), on Intel CPUs only (measured
- * there, PREFETCH_L2_INTEL); elsewhere 0. On a Xeon (Emerald Rapids kind), whole passes of
- * the 1.5B with it against without: 1 row 0.87-0.88x, 2 rows 0.92-0.95x, 4 rows
- * 0.87-0.89x, 8 and 16 rows 0.98-1.03x (noise); 2 or 8 KiB past instead of 4: within
- * noise; passes of up to 8 rows against up to 4: 5 rows 0.93x, 6 rows 0.95x. Keys and
- * values of attention asked into L2 a block or more ahead: 1.02-1.04x (not kept). */
+ * g_prefetch_l2_bytes past those into L2 (_MM_HINT_T1; 0: not). A core has few L1 fill
+ * buffers; asking L2 for the weights well ahead lets more of the stream be in flight, so
+ * that the L1 prefetch finds its lines in L2. -1 (the default): resolved by features(),
+ * on Intel CPUs only (measured there, PREFETCH_L2_INTEL); elsewhere 0. On a Xeon (Emerald
+ * Rapids kind), whole passes of the 1.5B with it against without: 1 row 0.87-0.88x, 2
+ * rows 0.92-0.95x, 4 rows 0.87-0.94x, 8 rows 0.98-1.02x (noise); 2 or 8 KiB past instead
+ * of 4: within noise; passes of up to 8 rows against up to 4: 5 rows 0.93x, 6 rows 0.95x.
+ * Keys and values of attention asked into L2 a block or more ahead: 1.02-1.04x (not
+ * kept). */
 static int g_prefetch_l2_bytes = -1;
 static int g_prefetch_l2_rows = 8;
 #define PREFETCH_L2_INTEL 4096
+/* the L2 distance (past the L1 one, pfd) for a pass's tiles: 0 where pfd is 0 or the pass
+ * has more rows than g_prefetch_l2_rows */
+static inline int64_t prefetch_l2_for(const job_t *jb, int64_t pfd) {
+    return pfd && jb->m <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
+}
 /* the prefetches of a tile of weight units of ub bytes at b, pfd / pf2 as above */
 #define PREFETCH_UNIT(b, ub, pfd, pf2)                                                            \
     do {                                                                                          \
@@ -757,11 +763,11 @@ static int g_wide_rows = 8; /* rows of a kq_wide tile, 1..WIDE_ROWS */
  * has them), 2 Q6_K's too (a 1,170-token prefill measured no faster: 0.70x against
  * 0.66x of the time without tiles, within this Xeon's noise) */
 static int g_amx_tiles = -1;
-static int g_wide_min_rows = 1; /* passes of fewer rows keep kq_tile's one-column tiles. On a
-                                 * Xeon (Emerald Rapids kind) with the L2 prefetch, whole
-                                 * passes of the 1.5B with every pass on kq_wide against from
-                                 * 3 rows: 1 row 0.968-0.984x, 2 rows 0.958-0.987x (three runs);
-                                 * before the L2 prefetch, 2 rows 1.02x, 3 rows 0.96x */
+/* the fewest rows of a pass that takes kq_wide (fewer keep kq_tile's one-column tiles).
+ * On a Xeon (Emerald Rapids kind) with the L2 prefetch, whole passes of the 1.5B, every
+ * pass on kq_wide against from 3 rows: 1 row 0.968-0.984x, 2 rows 0.958-0.987x (three
+ * runs); before the L2 prefetch, 2 rows 1.02x, 3 rows 0.96x. */
+static int g_wide_min_rows = 1;
 
 /* Threads take chunks of about columns / (threads x g_chunks_per_thread) columns, at most
  * g_max_chunk_cols: long runs of contiguous weights for each core's stream. */
@@ -844,8 +850,7 @@ AVX2 static inline float hsum8_avx(__m256 a) {
 
 /* A K-quant tile of R rows (1..WIDE_ROWS) by two columns in 512-bit registers, for
  * decode steps and verify passes of up to 8 rows (cols_run, spans_run; g_wide_min_rows)
- * and prefills (rows_outer_run). Each
- * code register of kq_tile (32 bytes, "ch") becomes a 512-bit one holding column c's
+ * and prefills (rows_outer_run). Each code register of kq_tile (32 bytes, "ch") becomes a 512-bit one holding column c's
  * codes in its low half and column c + 1's in its high half, and the row's 32
  * activation bytes go to both halves, so one vpdpbusd does the work of two of
  * kq_tile's and lanes 0-7 sum column c's groups, lanes 8-15 column c + 1's: the exact
@@ -900,7 +905,7 @@ kq_wide(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_t c, co
     __m512 acc[WIDE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = u0 ? _mm512_loadu_ps(carry + 16 * r) : _mm512_setzero_ps();
     const int64_t pfd = !carry && R >= g_prefetch_rows ? g_prefetch_bytes : 0;
-    const int64_t pf2 = pfd && jb->m <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
+    const int64_t pf2 = prefetch_l2_for(jb, pfd);
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *b0 = w0 + u * ub, *b1 = w1 + u * ub;
         if (pfd) {

@@ -68,7 +68,7 @@ TL_FN(kq_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
         for (int cc = 0; cc < C; cc++)
             acc[r][cc] = u0 ? _mm256_loadu_ps(carry + 8 * (r * C + cc)) : _mm256_setzero_ps();
     const int64_t pfd = !carry && R >= g_prefetch_rows ? g_prefetch_bytes : 0;
-    const int64_t pf2 = pfd && jb->m <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
+    const int64_t pf2 = prefetch_l2_for(jb, pfd);
     for (int64_t u = u0; u < u1; u++) {
         const uint8_t *blk[TL_COLS];
         for (int cc = 0; cc < C; cc++) {
@@ -180,7 +180,7 @@ TL_FN(lg_tile)(const job_t *jb, const part_t *p, int64_t r0, const int R, int64_
     for (int r = 0; r < R; r++)
         for (int cc = 0; cc < C; cc++) acc[r][cc] = _mm256_setzero_ps();
     const int64_t pfd = R >= g_prefetch_rows ? g_prefetch_bytes : 0;
-    const int64_t pf2 = pfd && jb->m <= g_prefetch_l2_rows ? g_prefetch_l2_bytes : 0;
+    const int64_t pf2 = prefetch_l2_for(jb, pfd);
     for (int64_t u = 0; u < nu; u++) {
         const uint8_t *g[TL_COLS];
         for (int cc = 0; cc < C; cc++) {
