@@ -24,6 +24,7 @@ from oracles import plain_greedy
 from test_engine import ScriptedProposer
 
 from speculant import Engine, SamplingParams, load_model, native
+from speculant.models.model import ModelLoadError
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable: {native.why_missing()}"
@@ -466,6 +467,75 @@ def test_attention_and_norm_paths_agree_bitwise(hd: int, nh: int, nkv: int) -> N
         assert torch.equal(norm, out["portable"][1]), name
 
 
+@pytest.mark.parametrize(("nh", "nkv", "hd"), [(12, 2, 128), (9, 3, 72), (4, 2, 64), (3, 3, 136)])
+def test_float16_cache_is_float32_attention_over_its_values(nh: int, nkv: int, hd: int) -> None:
+    """A float16 cache is read as the float32 values it holds: bitwise the float32 code
+    over the widened cache, on every path, for one row (its heads four at a time where a
+    group has four or more) and for passes whose rows see shared and own keys."""
+    keys, values = _cache(nkv, 700, hd, 9)
+    k16, v16 = (keys * 4).half(), values.half()
+    k32, v32 = k16.float(), v16.float()
+    q = torch.randn(nh, 7, hd, generator=torch.Generator().manual_seed(10))
+    cases = [  # (rows, lo, hi): one row over a long cache; rows with own keys either side
+        (slice(0, 1), torch.tensor([0]), torch.tensor([650])),
+        (slice(0, 7), torch.tensor([0, 0, 0, 5, 0, 40, 0]), torch.arange(600, 607)),
+        (slice(2, 6), torch.tensor([0, 3, 0, 0]), torch.tensor([90, 97, 200, 65])),
+    ]
+    try:
+        for name in native.paths():
+            native.set_path(name)
+            for rows, lo, hi in cases:
+                qr = q[:, rows].contiguous()
+                want = native.attend(qr, k32, v32, lo, hi, 0.09)
+                native.set_path("portable")
+                portable = native.attend(qr, k16, v16, lo, hi, 0.09)
+                native.set_path(name)
+                assert torch.equal(native.attend(qr, k16, v16, lo, hi, 0.09), want), name
+                assert torch.equal(portable, want), name
+    finally:
+        native.set_path("auto")
+    with pytest.raises(ValueError, match="keys torch.float16 and values torch.float32"):
+        native.attend(q, k16, v32, torch.zeros(7, dtype=torch.int64), torch.arange(1, 8), 1.0)
+    with pytest.raises(ValueError, match="keys must be contiguous float32 or float16, not"):
+        native.attend(q, keys.bfloat16(), values.bfloat16(), lo, hi, 1.0)
+
+
+def test_float16_cache_writes_round_as_torch(path: str) -> None:
+    """The fused attention block writes a float16 cache's keys and values rounded to
+    nearest even, as torch's conversion rounds (the tree path writes through torch):
+    ties, subnormals, the largest half, and values past it (infinity)."""
+    nh, nkv, hd, t = 4, 2, 64, 5
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=gen)
+    special = torch.tensor(
+        [65504.0, 65519.0, 65520.0, 1e6, -7e4, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-26,
+         6.1e-5, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 0.0, -0.0, 1e-9, 2.0**-14 - 2.0**-25]
+    )  # fmt: skip
+    v0 = (nh + nkv) * hd
+    qkv[:, v0 : v0 + special.numel()] = special  # values are written as they come
+    qkv[:, v0 + hd : v0 + 2 * hd] *= 2.0**-16  # subnormal halves
+    ang = torch.randn(t, hd // 2, generator=gen)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    lo, hi = torch.zeros(t, dtype=torch.int64), torch.arange(4, 4 + t)
+    k32, v32 = torch.zeros(nkv, 16, hd), torch.zeros(nkv, 16, hd)
+    want = native.rope_attend(qkv, (nh, nkv, hd), cos, sin, k32, v32, 3, lo, hi, 0.125)
+    k16, v16 = torch.zeros(nkv, 16, hd, dtype=torch.float16), torch.zeros_like(k32).half()
+    got = native.rope_attend(qkv, (nh, nkv, hd), cos, sin, k16, v16, 3, lo, hi, 0.125)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
+    assert torch.isinf(v16[0, 3:8, 3]).all() and (v16[0, 3:8, 5] == 2.0**-24).all()
+    assert (v16[0, 3:8, 0] == 65504).all() and (v16[0, 3:8, 1] == 65504).all()
+    assert torch.isinf(v16[0, 3:8, 2]).all()  # 65520: the tie goes to infinity (even)
+    # and attends over what it wrote: float32 attention of the rotated queries over the
+    # float16 cache's values (the rotation as the decoder's torch code forms it)
+    q = qkv[:, : nh * hd].view(t, nh, hd).transpose(0, 1)
+    half = hd // 2
+    rot = torch.cat([-q[..., half:], q[..., :half]], -1)
+    qr = (q * cos + rot * sin).contiguous()
+    ref = native.attend(qr, k16.float(), v16.float(), lo, hi, 0.125)
+    assert torch.equal(got, ref.transpose(0, 1).reshape(t, nh * hd))
+    assert not torch.equal(got, want)  # the rounding shows in the result
+
+
 def test_rms_norm_rows_alone_and_within_bound(path: str) -> None:
     x, w = torch.randn(12, 896) * 3, torch.randn(896)
     got = native.rms_norm(x, w, 1e-6)
@@ -543,6 +613,50 @@ def test_gguf_tree_nodes_equal_their_chains() -> None:
 
 
 @pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_float16_kv_cache_on_real_models(name: str) -> None:
+    """kv_dtype float16: half the cache's bytes, logits close to the float32 cache's, and
+    greedy speculation equal to plain decoding with the same cache type (drafts rejected
+    at every position, a draft model, tree nodes against their chains). Gemma 3 writes
+    its cache through torch (q/k norms), SmolLM2 through the fused native layers."""
+    from speculant.models.decoder import Segment
+
+    path = real_model_path(name)
+    model = load_model(path, dtype="gguf", progress=False, kv_dtype="float16")
+    full = load_model(path, dtype="gguf", progress=False)
+    assert model.new_cache(64).k.dtype == torch.float16
+    assert model.new_cache(64).k.nbytes * 2 == full.new_cache(64).k.nbytes
+    ids = model.tokenizer.encode(CODE)
+    got = model.forward(ids, model.new_cache(64), 0)
+    want = full.forward(ids, full.new_cache(64), 0)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+    reference = plain_greedy(model, ids, 24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for wrong_at in (0, 3):
+        scripted = ScriptedProposer(ids, reference + [0] * 8, wrong_at, model.vocab_size)
+        res = Engine(model, proposer=scripted, num_speculative_tokens=5).generate(ids, params)
+        assert res.token_ids == reference
+    assert Engine(model, draft=model, num_speculative_tokens=4).generate(ids, params).token_ids == (
+        reference
+    )
+    cache = model.new_cache(96)
+    model.prefill(ids, cache)
+    nodes = torch.tensor([11, 22, 33, 44, 55, 66])
+    logits, _ = model.net.forward_batch(
+        [Segment(nodes, cache, len(ids), tree_parents=[-1, 0, 1, 0, 3, 2])]
+    )
+    assert logits is not None
+    for tree_path in ([0, 1, 2, 5], [0, 3, 4]):
+        chain = model.forward(nodes[tree_path].tolist(), cache, len(ids))
+        for j, node in enumerate(tree_path):
+            assert torch.equal(logits[0][node], chain[j]), (tree_path, node)
+    with pytest.raises(ModelLoadError, match="kv_dtype float16 is not available"):
+        load_model(path, dtype="float32", progress=False, kv_dtype="float16")
+    with pytest.raises(ValueError, match="kv_dtype='bfloat16': use one of auto, float32"):
+        load_model(path, progress=False, kv_dtype="bfloat16")
+
+
+@pytest.mark.real
 def test_auto_dtype_is_the_native_path_for_gguf_files(capsys) -> None:  # type: ignore[no-untyped-def]
     from speculant.argtypes import DTYPE_CHOICES
     from speculant.cli import main
@@ -557,6 +671,9 @@ def test_auto_dtype_is_the_native_path_for_gguf_files(capsys) -> None:  # type: 
     assert main([*argv, "--max-tokens", "2", "--ignore-eos"]) == 0
     err = capsys.readouterr().err
     assert f"gguf, native {native.kernel_label()} kernels" in err, err
+    assert "KV cache" not in err
+    assert main([*argv, "--max-tokens", "2", "--ignore-eos", "--kv-dtype", "float16"]) == 0
+    assert "kernels, float16 KV cache" in capsys.readouterr().err
     assert main(["models", "list"]) == 0
     assert "runs each file's quantized blocks on the native" in capsys.readouterr().out
 
@@ -734,14 +851,16 @@ def _tiny_native_transformer(qkv_bias: bool, seed: int = 0):  # type: ignore[no-
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
-def test_fused_layers_equal_the_layer_by_layer_pass(qkv_bias: bool) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_fused_layers_equal_the_layer_by_layer_pass(qkv_bias: bool, kv_dtype) -> None:  # type: ignore[no-untyped-def]
     """All layers in one native call give bitwise the logits, features and cache rows of
     the same layers run one operation at a time: a prompt, a decode step, a verify pass,
-    and a batch of two sequences at different positions."""
+    and a batch of two sequences at different positions; with float32 and float16 caches."""
     from speculant.models.segment import Segment
 
     net = _tiny_native_transformer(qkv_bias)
-    assert net.native_ops and net._fusable()
+    net.set_kv_dtype(kv_dtype)
+    assert net.native_ops and net._fusable() and net.new_cache(8).k.dtype == kv_dtype
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
 
     def run(fuse: bool):  # type: ignore[no-untyped-def]

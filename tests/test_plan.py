@@ -100,6 +100,11 @@ def test_plan_from_a_config_json(tmp_path: Path) -> None:
     served = make_plan(str(tmp_path), None, context=2048, prefix_cache_bytes=2**30)
     assert served.total_bytes == a.total_bytes + 2**30
     assert served.to_dict()["prefix_cache_bytes"] == 2**30
+    # float16 caches (--kv-dtype float16, native kernels) take half of float32 ones
+    f32 = make_plan(str(tmp_path), None, context=2048, target_dtype="float32")
+    f16 = make_plan(str(tmp_path), None, context=2048, target_dtype="float32", kv_dtype="float16")
+    assert f16.target.kv_bytes * 2 == f32.target.kv_bytes
+    assert f16.target.weights_bytes == f32.target.weights_bytes
 
 
 def test_plan_cli_counts_the_prefix_cache(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -138,6 +143,8 @@ def test_errors_name_the_value() -> None:
         make_plan("smollm2-135m-instruct", "gemma-3-270m")
     with pytest.raises(PlanError, match="dtype 'int3'"):
         make_plan("smollm2-135m-instruct", None, target_dtype="int3")
+    with pytest.raises(PlanError, match="kv dtype 'int8' is not known: use auto"):
+        make_plan("smollm2-135m-instruct", None, kv_dtype="int8")
     with pytest.raises(PlanError, match="prefix cache budget -1 bytes"):
         make_plan("smollm2-135m-instruct", None, prefix_cache_bytes=-1)
     with pytest.raises(PlanError, match="device 'tpu'"):

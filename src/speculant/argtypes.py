@@ -138,6 +138,24 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
         help="draft weights: auto (default) = gguf for a .gguf model, int8 for a folder; a "
         "lower-precision draft stays lossless, since verification filters its errors",
     )
+    add_kv_dtype_arg(parser)
+
+
+KV_DTYPE_CHOICES = ("auto", "float32", "float16")
+
+
+def add_kv_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """--kv-dtype: the element type of the key/value caches (target and draft)."""
+    parser.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=KV_DTYPE_CHOICES,
+        help="key/value cache elements: auto (default) = the activations' dtype (float32 on "
+        "the native kernels); float16 = half the cache's memory and reads, keys and values "
+        "rounded to float16 as llama.cpp stores them (native kernels only; attention still "
+        "computes in float32, and speculative output stays identical to plain decoding "
+        "with the same cache type)",
+    )
 
 
 def seed_value(text: str) -> int | None:

@@ -201,7 +201,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     progress = not args.json or sys.stderr.isatty()
     trust = args.trust_unverified
-    target = load_model(args.target, dtype=args.dtype, progress=progress, trust_unverified=trust)
+    kv = args.kv_dtype
+    target = load_model(
+        args.target, dtype=args.dtype, progress=progress, trust_unverified=trust, kv_dtype=kv
+    )
     draft = None
     if args.method == "draft":
         draft = load_model(
@@ -210,6 +213,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             progress=progress,
             trust_unverified=trust,
             auto_fallback="int8",
+            kv_dtype=kv,
         )
     if args.threads is None:
         from speculant import native

@@ -202,8 +202,24 @@ def cache_rows(context: int, draft: bool = False) -> int:
     return -(-rows // KEY_BLOCK) * KEY_BLOCK
 
 
-def kv_bytes(c: ModelConfig, dtype: str, context: int, batch: int, draft: bool = False) -> int:
+KV_BYTES = {"float32": 4, "float16": 2}  # the caches' element types besides "auto"
+
+
+def kv_bytes(
+    c: ModelConfig,
+    dtype: str,
+    context: int,
+    batch: int,
+    draft: bool = False,
+    kv_dtype: str = "auto",
+) -> int:
+    """The caches' bytes: elements of the activations' size (kv_dtype "auto"), or of
+    kv_dtype's (float32, float16: `--kv-dtype`)."""
     _, act = _check_dtype(dtype)
+    if kv_dtype != "auto":
+        if kv_dtype not in KV_BYTES:
+            raise PlanError(f"kv dtype {kv_dtype!r} is not known: use auto, float32 or float16")
+        act = KV_BYTES[kv_dtype]
     rows = cache_rows(context, draft)
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * rows * batch * act
 
@@ -222,7 +238,14 @@ def working_bytes(c: ModelConfig, dtype: str, context: int, batch: int, k: int) 
 
 
 def plan_model(
-    name: str, c: ModelConfig, dtype: str, context: int, batch: int, k: int, draft: bool
+    name: str,
+    c: ModelConfig,
+    dtype: str,
+    context: int,
+    batch: int,
+    k: int,
+    draft: bool,
+    kv_dtype: str = "auto",
 ) -> ModelPlan:
     if context < 1 or batch < 1:
         raise PlanError(f"context={context}, batch={batch}: both must be >= 1")
@@ -236,7 +259,7 @@ def plan_model(
         dtype=dtype,
         params=c.num_params,
         weights_bytes=weights_bytes(c, dtype),
-        kv_bytes=kv_bytes(c, dtype, context, batch, draft),
+        kv_bytes=kv_bytes(c, dtype, context, batch, draft, kv_dtype),
         working_bytes=working_bytes(c, dtype, context, batch, k if draft else 0),
     )
 
@@ -294,11 +317,12 @@ def make_plan(
     draft_dtype: str = "int8",
     k: int = 5,
     prefix_cache_bytes: int = 0,
+    kv_dtype: str = "auto",
 ) -> Plan:
     if prefix_cache_bytes < 0:
         raise PlanError(f"prefix cache budget {prefix_cache_bytes} bytes: 0 or more is allowed")
     tname, tcfg = resolve_config(target)
-    tplan = plan_model(tname, tcfg, target_dtype, context, batch, k, draft=False)
+    tplan = plan_model(tname, tcfg, target_dtype, context, batch, k, False, kv_dtype)
     dplan = None
     if draft is not None:
         dname, dcfg = resolve_config(draft)
@@ -307,7 +331,7 @@ def make_plan(
                 f"draft {dname} has {dcfg.vocab_size} tokens, more than target {tname}'s "
                 f"{tcfg.vocab_size}: they cannot share a tokenizer"
             )
-        dplan = plan_model(dname, dcfg, draft_dtype, context, batch, k, draft=True)
+        dplan = plan_model(dname, dcfg, draft_dtype, context, batch, k, True, kv_dtype)
     runtime = RUNTIME_BYTES + TOKENIZER_BYTES_PER_TOKEN * tcfg.vocab_size
     if cpu_has_bf16():
         bf16_models = [target_dtype] + ([draft_dtype] if draft is not None else [])

@@ -51,6 +51,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--draft-dtype", default="int8", choices=list(DTYPES), help="draft weights (default int8)"
     )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16"],
+        help="key/value cache elements (default auto: the activations' size; float16 with "
+        "the native kernels halves float32 caches, as `speculant generate --kv-dtype`)",
+    )
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, dest="k")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--memory", default=None, help="a budget, e.g. 24GiB or 80GB")
@@ -101,6 +108,7 @@ def _plan(args: argparse.Namespace, context: int | None = None) -> Plan:
         draft_dtype=args.draft_dtype,
         k=args.k,
         prefix_cache_bytes=int(args.prefix_cache_gib * GiB),
+        kv_dtype=args.kv_dtype,
     )
 
 
@@ -112,6 +120,7 @@ def measure(args: argparse.Namespace) -> dict[str, int]:
         "draft_dtype": args.draft_dtype,
         "context": args.context,
         "k": args.k,
+        "kv_dtype": args.kv_dtype,
     }
     # A fresh process, so that its memory before and after loading is the pair's alone.
     out = subprocess.run(
@@ -139,9 +148,10 @@ def measure_here(spec: dict[str, Any]) -> dict[str, int]:
     from speculant import Engine, SamplingParams, load_model
 
     runtime = _status_bytes("VmRSS")
-    target = load_model(spec["target"], dtype=spec["target_dtype"], progress=False)
+    kv = spec.get("kv_dtype", "auto")
+    target = load_model(spec["target"], dtype=spec["target_dtype"], progress=False, kv_dtype=kv)
     draft = (
-        load_model(spec["draft"], dtype=spec["draft_dtype"], progress=False)
+        load_model(spec["draft"], dtype=spec["draft_dtype"], progress=False, kv_dtype=kv)
         if spec["draft"]
         else None
     )

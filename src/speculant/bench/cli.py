@@ -445,10 +445,10 @@ def _load_targets(
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    trust = args.trust_unverified
+    trust, kv = args.trust_unverified, args.kv_dtype
     targets: list[Any] = []
     for dtype in dtypes:
-        target = load_model(args.target, dtype=dtype, trust_unverified=trust)
+        target = load_model(args.target, dtype=dtype, trust_unverified=trust, kv_dtype=kv)
         if any(t.dtype_name == target.dtype_name for t in targets):
             print(
                 f"--pass-dtypes: {dtype} is {target.dtype_name}, already measured", file=sys.stderr
@@ -458,7 +458,11 @@ def _load_targets(
     draft = None
     if with_draft:
         draft = load_model(
-            args.draft, dtype=args.draft_dtype, trust_unverified=trust, auto_fallback="int8"
+            args.draft,
+            dtype=args.draft_dtype,
+            trust_unverified=trust,
+            auto_fallback="int8",
+            kv_dtype=kv,
         )
     if args.threads is None:
         native.share_cores_if_native(*targets, draft)

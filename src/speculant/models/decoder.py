@@ -118,6 +118,7 @@ class Transformer:
         self.native_ops = (
             dtype == torch.float32 and _uses_native(weights) and _native_rows(config.head_dim)
         )
+        self.kv_dtype = dtype  # the caches' element type (set_kv_dtype)
         self._row_padding: Padding | None = (1, 1) if self.native_ops else None
         self._layer_table: native.LayerTable | None = None
         self._unfusable = False  # decided: these layers cannot run in one call
@@ -138,9 +139,22 @@ class Transformer:
             self._row_padding = calibrate(self.config, self.weights, self.dtype)
         return self._row_padding
 
+    def set_kv_dtype(self, kv_dtype: torch.dtype) -> None:
+        """The element type of the caches `new_cache` makes: the activations' dtype, or
+        float16 on the native path (keys and values rounded to float16 as they are
+        written; attention computes in float32 over them, on every path the same bits)."""
+        if kv_dtype != self.dtype and not (kv_dtype == torch.float16 and self.native_ops):
+            have = "the native kernels" if self.native_ops else f"{self.dtype} through PyTorch"
+            raise ValueError(
+                f"kv_dtype {str(kv_dtype).removeprefix('torch.')} is not available for this "
+                f"model (it runs {have}): use {str(self.dtype).removeprefix('torch.')}, or "
+                "float16 with GGUF weights on the native kernels (--dtype gguf)"
+            )
+        self.kv_dtype = kv_dtype
+
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, self.dtype)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, self.kv_dtype)
 
     @torch.inference_mode()
     def forward(

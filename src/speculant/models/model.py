@@ -39,6 +39,7 @@ QUANTIZED = {"int8": torch.bfloat16, "int4": torch.bfloat16, "gguf": torch.float
 # "gguf": the file's own quantized blocks executed as stored by the native kernels
 # (speculant.native), float32 activations; falls back to int8 when the kernels are missing.
 DTYPE_NAMES = ("bfloat16", "float32", "int8", "int4", "gguf")
+KV_DTYPE_NAMES = ("auto", "float32", "float16")  # the caches' element types (load_model)
 
 
 class Model:
@@ -165,6 +166,7 @@ def load_model(
     progress: bool = True,
     trust_unverified: bool = False,
     auto_fallback: str = "bfloat16",
+    kv_dtype: str = "auto",
 ) -> Model:
     """Load a registry name (pulled on first use), a .gguf file or a Hugging Face folder.
 
@@ -172,20 +174,26 @@ def load_model(
     own quantized blocks on the native kernels, or int8 where they are unavailable) and
     `auto_fallback` for a folder; "bfloat16", "float32", "int8" and "int4" choose.
 
+    kv_dtype is the key/value caches' element type: "auto" (the activations' dtype),
+    "float32", or "float16" (native kernels only: keys and values rounded to float16 as
+    they are written, attention computing in float32 over them).
+
     A GGUF file that the registry or a manifest.json beside it vouches for is checked
     against that SHA-256 before loading; a mismatch is refused unless trust_unverified."""
     torch_dtype, quant = parse_dtype(dtype)
+    if kv_dtype not in KV_DTYPE_NAMES:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: use one of {', '.join(KV_DTYPE_NAMES)}")
     if auto_fallback not in DTYPE_NAMES:
         raise ValueError(f"auto_fallback={auto_fallback!r}: use one of {', '.join(DTYPE_NAMES)}")
     path = Path(name_or_path).expanduser()
     if path.exists():
         return _load_path(
-            path, torch_dtype, quant, progress, path.name, trust_unverified, auto_fallback
+            path, torch_dtype, quant, progress, path.name, trust_unverified, auto_fallback, kv_dtype
         )
     text = str(name_or_path)
     gguf_path = builtin_model_path(text, progress)  # pulled on first use
     return _load_path(
-        gguf_path, torch_dtype, quant, progress, text, trust_unverified, auto_fallback
+        gguf_path, torch_dtype, quant, progress, text, trust_unverified, auto_fallback, kv_dtype
     )
 
 
@@ -197,6 +205,7 @@ def _load_path(
     name: str,
     trust: bool,
     auto_fallback: str = "bfloat16",
+    kv_dtype: str = "auto",
 ) -> Model:
     t0 = time.perf_counter()
     if path.is_dir():
@@ -255,6 +264,13 @@ def _load_path(
     if quant in ("int8", "int4") and weights.weight_format != quant:
         weights.quantize(quant)
     net = Transformer(config, weights, dtype)
+    if kv_dtype != "auto":
+        try:
+            net.set_kv_dtype(getattr(torch, kv_dtype))
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+    if net.kv_dtype != dtype:
+        kernels += f", {str(net.kv_dtype).removeprefix('torch.')} KV cache"
     label = quant or str(dtype).removeprefix("torch.")
     if progress:
         print(

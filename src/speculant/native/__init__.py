@@ -104,10 +104,11 @@ def _bind(lib: Any) -> Any:
     lib.spec_dequant_rows.restype = c_int
     lib.spec_quantize_rows.argtypes = [c_int, p, i64, i64, p, p]
     lib.spec_quantize_rows.restype = c_int
-    lib.spec_attend.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, ctypes.c_float, p, c_int]
+    lib.spec_attend.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, ctypes.c_float, p]
+    lib.spec_attend.argtypes += [c_int, c_int]
     lib.spec_attend.restype = c_int
     lib.spec_rope_attend.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, i64, i64, p, p]
-    lib.spec_rope_attend.argtypes += [ctypes.c_float, p, c_int]
+    lib.spec_rope_attend.argtypes += [ctypes.c_float, p, c_int, c_int]
     lib.spec_rope_attend.restype = c_int
     lib.spec_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
     lib.spec_rms_norm.restype = c_int
@@ -432,7 +433,8 @@ def attend(
     threads: int | None = None,
 ) -> Tensor:
     """Attention of T query rows: q [nh, T, hd] float32 against one layer's cache, keys and
-    values [nkv, rows, hd]; query row t sees keys lo[t] .. hi[t]-1 (int64 [T]).
+    values [nkv, rows, hd] float32 or float16 (read as the float32 values they hold); query
+    row t sees keys lo[t] .. hi[t]-1 (int64 [T]).
     Returns [nh, T, hd]. A row's result depends only on its query and its visible keys:
     not on T, the cache's length or the thread count (see kernels.c)."""
     lib = _need()
@@ -443,10 +445,8 @@ def attend(
             f"attention shapes q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
             f"{tuple(values.shape)}: want [nh, T, hd], [nkv, rows, hd] with nkv | nh, 8 | hd"
         )
-    for name, x in (("q", q), ("keys", keys), ("values", values)):
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            got = x.dtype if x.dtype != torch.float32 else "a non-contiguous view"
-            raise ValueError(f"{name} must be contiguous float32, not {got}")
+    _check_contiguous((("q", q),), (torch.float32,))
+    kv16 = _cache_kind(keys, values)
     lo = lo.to(torch.int64).contiguous()
     hi = hi.to(torch.int64).contiguous()
     if lo.numel() != t or hi.numel() != t:
@@ -468,10 +468,32 @@ def attend(
         scale,
         out.data_ptr(),
         threads if threads is not None else THREADS,
+        kv16,
     )
     if rc != 0:  # the message formats tensors: only on failure
         _attention_error(rc, f"key ranges outside the cache's {rows} rows: lo {lo}, hi {hi}")
     return out
+
+
+KV_DTYPES = (torch.float32, torch.float16)  # the caches the native attention reads
+
+
+def _check_contiguous(
+    tensors: tuple[tuple[str, Tensor], ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
+    for name, x in tensors:
+        if x.dtype not in dtypes or not x.is_contiguous():
+            got = x.dtype if x.dtype not in dtypes else "a non-contiguous view"
+            want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"{name} must be contiguous {want}, not {got}")
+
+
+def _cache_kind(keys: Tensor, values: Tensor) -> int:
+    """1 for a float16 cache, 0 for a float32 one (keys and values of one dtype)."""
+    _check_contiguous((("keys", keys), ("values", values)), KV_DTYPES)
+    if keys.dtype != values.dtype:
+        raise ValueError(f"keys {keys.dtype} and values {values.dtype}: one dtype wanted")
+    return int(keys.dtype == torch.float16)
 
 
 def _attention_error(rc: int, what: str) -> None:
@@ -501,11 +523,8 @@ def rope_attend(
     nh, nkv, hd = heads
     t = qkv.shape[0]
     rows = keys.shape[1]
-    tensors = (("qkv", qkv), ("cos", cos), ("sin", sin), ("keys", keys), ("values", values))
-    for name, x in tensors:
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            got = x.dtype if x.dtype != torch.float32 else "a non-contiguous view"
-            raise ValueError(f"{name} must be contiguous float32, not {got}")
+    _check_contiguous((("qkv", qkv), ("cos", cos), ("sin", sin)), (torch.float32,))
+    kv16 = _cache_kind(keys, values)
     if cos.shape != (t, hd) or sin.shape != (t, hd) or keys.shape != (nkv, rows, hd):
         raise ValueError(f"rotary tables {tuple(cos.shape)} / cache {tuple(keys.shape)}")
     lo = lo.to(torch.int64).contiguous()
@@ -531,6 +550,7 @@ def rope_attend(
         scale,
         out.data_ptr(),
         threads if threads is not None else THREADS,
+        kv16,
     )
     if rc != 0:  # the message formats tensors: only on failure
         _attention_error(
@@ -615,6 +635,7 @@ class _Seg(ctypes.Structure):
         ("rows", ctypes.c_int64),
         ("start", ctypes.c_int64),
         ("layer_stride", ctypes.c_int64),
+        ("kv16", ctypes.c_int64),
     ]
 
 
@@ -690,7 +711,8 @@ def run_layers(
     """Every layer of `table` over x [m, dim] float32 (the rows of several sequences, in
     order) in one native call; returns the new residual stream [m, dim]. `segments` are
     (rows T, cache keys, cache values, start) per sequence, the caches [n_layers, 1, nkv,
-    rows, hd] float32 whose rows start .. start+T-1 receive the keys and values; cos / sin
+    rows, hd] float32 or float16 whose rows start .. start+T-1 receive the keys and values
+    (float16: rounded to nearest even); cos / sin
     [m, hd] are each row's rotary tables and lo / hi [m] the keys it sees. Bitwise the
     same as running the layers one operation at a time through this module."""
     lib = _need()
@@ -702,8 +724,10 @@ def run_layers(
     segs = (_Seg * len(segments))()
     total = 0
     for i, (t, k, v, start) in enumerate(segments):
-        if k.dtype != torch.float32 or not k.is_contiguous() or k.shape != v.shape:
-            raise ValueError("caches must be contiguous float32 keys and values of one shape")
+        if k.dtype not in KV_DTYPES or k.dtype != v.dtype or not k.is_contiguous():
+            raise ValueError("caches must be contiguous float32 or float16 keys and values")
+        if not v.is_contiguous() or k.shape != v.shape:
+            raise ValueError("caches must be contiguous keys and values of one shape")
         if k.shape[0] < table.n_layers or k.shape[2:] != (nkv, k.shape[3], hd):
             raise ValueError(f"cache of shape {tuple(k.shape)} for {table.n_layers} layers")
         rows = k.shape[3]
@@ -711,6 +735,7 @@ def run_layers(
             raise ValueError(f"rows {start}..{start + t} of a {rows}-row cache")
         segs[i].T, segs[i].k, segs[i].v = t, k.data_ptr(), v.data_ptr()
         segs[i].rows, segs[i].start, segs[i].layer_stride = rows, start, nkv * rows * hd
+        segs[i].kv16 = int(k.dtype == torch.float16)
         total += t
     if total != m:
         raise ValueError(f"segments of {total} rows for {m} rows")

@@ -90,6 +90,27 @@ static inline float h2f(uint16_t h) {
     return v.f;
 }
 
+/* float -> float16, rounded to nearest (ties to even), as F16C's vcvtps2ph and torch's
+ * conversion round: past the largest float16 (65504) to infinity, below 2^-14 to a
+ * subnormal (or zero); a NaN stays a (quiet) NaN. */
+static inline uint16_t f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)(x >> 16 & 0x8000u);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | (ax >> 13 & 0x3FFu)); /* NaN */
+    if (ax >= 0x47800000u) return (uint16_t)(sign | 0x7C00u); /* 2^16 and up (and inf) */
+    if (ax < 0x38800000u) { /* below 2^-14: a multiple of 2^-24, rounded as rint rounds */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return (uint16_t)(sign | (uint16_t)nearbyintf(a * 0x1p24f)); /* exact product */
+    }
+    /* rebias the exponent (127 -> 15), then drop 13 mantissa bits, ties to even; a carry
+     * into the exponent is right (up to 0x7C00, infinity, from 65520 on) */
+    const uint32_t r = ax - 0x38000000u;
+    return (uint16_t)(sign | ((r + 0xFFFu + (r >> 13 & 1u)) >> 13));
+}
+
 static inline uint16_t rd16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
@@ -777,13 +798,14 @@ static int g_rows_outer = 12288; /* rows_outer_run's L1 budget in bytes; 0: off 
 #define WIDE_ROWS 8             /* the most rows of a kq_wide tile */
 
 /* Per-thread buffers kept from one call to the next (grown as needed; NULL when that
- * fails), freed as a pool worker ends: attention's scores, and the AMX tiles' column
- * layouts. 64-byte aligned. */
+ * fails), freed as a pool worker ends: attention's scores, the AMX tiles' column
+ * layouts, and a float16 cache's keys and values widened a block at a time. 64-byte
+ * aligned. */
 typedef struct {
     void *p;
     int64_t bytes;
 } scratch_t;
-static __thread scratch_t t_attn_scratch, t_amx_scratch;
+static __thread scratch_t t_attn_scratch, t_amx_scratch, t_kv_scratch;
 static void *scratch_get(scratch_t *s, int64_t bytes) {
     if (bytes > s->bytes) {
         free(s->p);
@@ -793,8 +815,8 @@ static void *scratch_get(scratch_t *s, int64_t bytes) {
     return s->p;
 }
 static void scratch_free(void) {
-    scratch_t *all[] = {&t_attn_scratch, &t_amx_scratch};
-    for (int i = 0; i < 2; i++) {
+    scratch_t *all[] = {&t_attn_scratch, &t_amx_scratch, &t_kv_scratch};
+    for (int i = 0; i < 3; i++) {
         free(all[i]->p);
         all[i]->p = NULL;
         all[i]->bytes = 0;
@@ -860,6 +882,23 @@ AVX2 static inline float hsum8_avx(__m256 a) {
  * splits it in two (see g_wide_tiles). */
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #define AVX512F __attribute__((target("avx512f,avx512vl,avx2,fma,f16c")))
+
+/* float16 <-> float32 with F16C (n a multiple of 8): the same values as h2f and f2h */
+AVX2 static void kv_widen_f16c(const uint16_t *s, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+}
+AVX512F static void kv_widen_f16c512(const uint16_t *s, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+    if (i < n) kv_widen_f16c(s + i, n - i, dst + i);
+}
+AVX2 static void kv_narrow_f16c(const float *s, int64_t n, uint16_t *dst) {
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 /* hsum8 of 16 groups of 8 lanes at once (t[k] lanes 0-7 one group, 8-15 another): lanes l
  * and l + 4 of two registers side by side, then l and l + 2, then l and l + 1, which is
  * hsum8's tree exactly, 21 shuffles and adds where hsum8 of each takes about 6
@@ -2063,7 +2102,44 @@ typedef struct {
     int64_t pairs;     /* pairs of rows an attend_rows task takes */
     atomic_int failed; /* a score buffer could not be allocated */
     const struct attn_code *code; /* the vector code (run_attention's choice) */
+    /* a float16 cache (kv_dtype float16): k16 / v16 in place of k / v, widened to float32
+     * a block of keys at a time before the same float32 code runs on them (exact: every
+     * float16 value is a float32 one), so a row's result is the float32 code's over the
+     * cache's values, whatever the cache's type */
+    const uint16_t *k16, *v16;
 } attn_t;
+
+/* keys or values j0 .. j1 - 1 (rows of hd) of a float16 cache into dst as float32 (exact,
+ * so the same values on every path); F16C's instructions where path has them */
+static void kv_widen(const uint16_t *src, int64_t j0, int64_t j1, int64_t hd, float *dst, int path) {
+    const uint16_t *s = src + j0 * hd;
+    const int64_t n = (j1 - j0) * hd;
+#ifdef SPEC_X86
+    if (path >= PATH_AVX512) {
+        kv_widen_f16c512(s, n, dst);
+        return;
+    }
+    if (path >= PATH_AVX2) {
+        kv_widen_f16c(s, n, dst);
+        return;
+    }
+#endif
+    (void)path;
+    for (int64_t i = 0; i < n; i++) dst[i] = h2f(s[i]);
+}
+
+/* n float32 values (n a multiple of 8) into a float16 cache row, rounded to nearest even:
+ * F16C's vcvtps2ph where path has it, f2h otherwise (the same bits) */
+static void kv_narrow(const float *src, int64_t n, uint16_t *dst, int path) {
+#ifdef SPEC_X86
+    if (path >= PATH_AVX2) {
+        kv_narrow_f16c(src, n, dst);
+        return;
+    }
+#endif
+    (void)path;
+    for (int64_t i = 0; i < n; i++) dst[i] = f2h(src[i]);
+}
 
 /* One (query head, query row) pair, the portable code: chunk = h * T + t. */
 static void attend_one(const void *ctx, int64_t chunk) {
@@ -2071,25 +2147,34 @@ static void attend_one(const void *ctx, int64_t chunk) {
     const int64_t h = chunk / a->T, t = chunk % a->T;
     const int64_t g = h / (a->nh / a->nkv);
     const float *q = a->q + t * a->q_t + h * a->q_h;
-    const float *keys = a->k + g * a->rows * a->hd, *vals = a->v + g * a->rows * a->hd;
+    const float *keys = a->k ? a->k + g * a->rows * a->hd : NULL;
+    const float *vals = a->v ? a->v + g * a->rows * a->hd : NULL;
     float *o = a->out + t * a->o_t + h * a->o_h;
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
     for (int64_t i = 0; i < a->hd; i++) o[i] = 0.0f;
     if (n <= 0) return;
     float *s = scratch_get(&t_attn_scratch, (int64_t)sizeof(float) * n);
-    if (!s) {
+    float *row = a->k16 ? scratch_get(&t_kv_scratch, (int64_t)sizeof(float) * a->hd) : NULL;
+    if (!s || (a->k16 && !row)) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
     }
+    const int64_t base = g * a->rows; /* the group's first cache row */
     float (*dot)(const float *, const float *, int64_t) = dot16_portable;
     void (*axpy)(float *, float, const float *, int64_t) = axpy_portable;
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        s[j] = dot(q, keys + (lo + j) * a->hd, a->hd) * a->scale;
+        const float *kr = keys + (lo + j) * a->hd;
+        if (a->k16) kv_widen(a->k16, base + lo + j, base + lo + j + 1, a->hd, row, PATH_PORTABLE), kr = row;
+        s[j] = dot(q, kr, a->hd) * a->scale;
         mx = s[j] > mx ? s[j] : mx;
     }
     const float sum = softmax_exp_portable(s, n, mx);
-    for (int64_t j = 0; j < n; j++) axpy(o, s[j], vals + (lo + j) * a->hd, a->hd);
+    for (int64_t j = 0; j < n; j++) {
+        const float *vr = vals + (lo + j) * a->hd;
+        if (a->v16) kv_widen(a->v16, base + lo + j, base + lo + j + 1, a->hd, row, PATH_PORTABLE), vr = row;
+        axpy(o, s[j], vr, a->hd);
+    }
     for (int64_t i = 0; i < a->hd; i++) o[i] = o[i] / sum;
 }
 
@@ -2452,6 +2537,44 @@ static const attn_code_t attn_256 = {scores_one, scores_two, values_one, values_
 static const attn_code_t attn_512 = {scores_one_512, scores_two_512, values_one_512,
                                      values_two_512, scores_four_512, values_four_512};
 
+/* One key/value group's cache as the vector code reads it. A float32 cache is read in
+ * place (kb, vb: the group's rows, f = 0 below); a float16 one is widened a block of keys
+ * at a time into a per-thread buffer (kb, vb: the block, whose first key is f). */
+typedef struct {
+    const float *kb, *vb;
+    const uint16_t *k16, *v16;
+    float *buf; /* KEY_BLOCK keys, then KEY_BLOCK values */
+    const float *k, *v;
+    int path;
+} kv_group_t;
+static int kv_group(const attn_t *a, int64_t g, kv_group_t *kv) {
+    const int64_t at = g * a->rows * a->hd;
+    memset(kv, 0, sizeof *kv);
+    kv->path = a->path;
+    if (!a->k16) {
+        kv->kb = kv->k = a->k + at;
+        kv->vb = kv->v = a->v + at;
+        return 0;
+    }
+    kv->k16 = a->k16 + at, kv->v16 = a->v16 + at;
+    kv->buf = scratch_get(&t_kv_scratch, (int64_t)sizeof(float) * 2 * KEY_BLOCK * a->hd);
+    return kv->buf ? 0 : -1;
+}
+/* keys j0 .. j1 - 1 (at most KEY_BLOCK of them) ready in kv->kb; returns f, the key at
+ * kv->kb's first row (key j at kv->kb + (j - f) * hd) */
+static inline int64_t kv_keys(kv_group_t *kv, int64_t j0, int64_t j1, int64_t hd) {
+    if (!kv->k16) return 0;
+    kv_widen(kv->k16, j0, j1, hd, kv->buf, kv->path);
+    kv->kb = kv->buf;
+    return j0;
+}
+static inline int64_t kv_values(kv_group_t *kv, int64_t j0, int64_t j1, int64_t hd) {
+    if (!kv->v16) return 0;
+    kv_widen(kv->v16, j0, j1, hd, kv->buf + KEY_BLOCK * hd, kv->path);
+    kv->vb = kv->buf + KEY_BLOCK * hd;
+    return j0;
+}
+
 /* The query heads of one key/value group at one query row (chunk = g * T + t), the vector
  * code of every path from AVX2 on (the 512-bit code with attention_512, else the 256-bit).
  * Every (head, row) pair gets bitwise what attend_one computes for it: each score is the
@@ -2467,12 +2590,12 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
     const int64_t g = chunk / a->T, t = chunk % a->T, hd = a->hd;
     const int64_t per = a->nh / a->nkv;
     const int64_t lo = a->lo[t], hi = a->hi[t], n = hi - lo;
-    const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
+    kv_group_t kv;
     const attn_code_t *code = a->code;
     const scores_one_fn k1 = code->k1;
     const values_one_fn v1 = code->v1;
     float *sc = scratch_get(&t_attn_scratch, (int64_t)sizeof(float) * GROUP_HEADS * (n > 0 ? n : 0));
-    if (!sc && n > 0) {
+    if ((!sc && n > 0) || kv_group(a, g, &kv)) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
     }
@@ -2486,17 +2609,62 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
             for (int64_t i = 0; i < hd; i++) o[x][i] = 0.0f;
         }
         if (n <= 0) continue;
+        /* a float16 cache's row alone: four heads at a time (each key and value load,
+         * from the widened block in L1, serves four heads; the same bits). A float32
+         * cache's keys and values come from memory, where this measured slower. */
+        const int four = code->k4 && kv.k16 && H >= 4;
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
-            for (int64_t x = 0; x < H; x++) k1(q[x], keys, j0, j1, hd, a->scale, sc + x * n, lo);
+            const int64_t f = kv_keys(&kv, j0, j1, hd); /* keys j at kv.kb + (j - f) hd */
+            int64_t x = 0;
+            if (four)
+                for (; x + 4 <= H; x += 4) {
+                    float *const sx[4] = {sc + x * n, sc + (x + 1) * n, sc + (x + 2) * n, sc + (x + 3) * n};
+                    const int64_t bx[4] = {lo - f, lo - f, lo - f, lo - f};
+                    code->k4(q + x, kv.kb, j0 - f, j1 - f, hd, a->scale, sx, bx);
+                }
+            for (; x < H; x++) k1(q[x], kv.kb, j0 - f, j1 - f, hd, a->scale, sc + x * n, lo - f);
         }
         for (int64_t x = 0; x < H; x++) sum[x] = softmax_avx2(sc + x * n, n);
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
-            for (int64_t x = 0; x < H; x++) v1(o[x], sc + x * n, lo, vals, j0, j1, hd);
+            const int64_t f = kv_values(&kv, j0, j1, hd);
+            int64_t x = 0;
+            if (four)
+                for (; x + 4 <= H; x += 4) {
+                    const float *const sx[4] = {sc + x * n, sc + (x + 1) * n, sc + (x + 2) * n, sc + (x + 3) * n};
+                    const int64_t bx[4] = {lo - f, lo - f, lo - f, lo - f};
+                    code->v4(o + x, sx, bx, kv.vb, j0 - f, j1 - f, hd);
+                }
+            for (; x < H; x++) v1(o[x], sc + x * n, lo - f, kv.vb, j0 - f, j1 - f, hd);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t i = 0; i < hd; i++) o[x][i] = o[x][i] / sum[x];
+    }
+}
+
+/* k1 over keys j0 .. j1 - 1 of a group (a float16 cache's a block at a time) */
+AVX2 static void scores_range(kv_group_t *kv, scores_one_fn k1, const float *q, int64_t j0, int64_t j1,
+                              int64_t hd, float scale, float *s, int64_t sb) {
+    if (!kv->k16) {
+        k1(q, kv->k, j0, j1, hd, scale, s, sb);
+        return;
+    }
+    for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) {
+        const int64_t b1 = b0 + KEY_BLOCK < j1 ? b0 + KEY_BLOCK : j1, f = kv_keys(kv, b0, b1, hd);
+        k1(q, kv->kb, b0 - f, b1 - f, hd, scale, s, sb - f);
+    }
+}
+/* v1 over keys j0 .. j1 - 1 of a group, in ascending order (so the same chains) */
+AVX2 static void values_range(kv_group_t *kv, values_one_fn v1, float *o, const float *s, int64_t sb, int64_t j0,
+                              int64_t j1, int64_t hd) {
+    if (!kv->v16) {
+        v1(o, s, sb, kv->v, j0, j1, hd);
+        return;
+    }
+    for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) {
+        const int64_t b1 = b0 + KEY_BLOCK < j1 ? b0 + KEY_BLOCK : j1, f = kv_values(kv, b0, b1, hd);
+        v1(o, s, sb - f, kv->vb, b0 - f, b1 - f, hd);
     }
 }
 
@@ -2527,14 +2695,14 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
         return;
     }
     const int64_t hd = a->hd, per = a->nh / a->nkv;
-    const float *keys = a->k + g * a->rows * hd, *vals = a->v + g * a->rows * hd;
+    kv_group_t kv;
     const attn_code_t *code = a->code;
     const scores_one_fn k1 = code->k1;
     const scores_two_fn k2 = code->k2;
     const values_one_fn v1 = code->v1;
     const values_two_fn v2 = code->v2;
     float *sc = scratch_get(&t_attn_scratch, (int64_t)sizeof(float) * GROUP_HEADS * tot);
-    if (!sc) {
+    if (!sc || kv_group(a, g, &kv)) {
         atomic_store(&((attn_t *)a)->failed, 1);
         return;
     }
@@ -2554,8 +2722,8 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
          * ones a block at a time for every head and row */
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++) {
-                k1(q[x][r], keys, lo[r], slo, hd, a->scale, s[x][r], lo[r]);
-                k1(q[x][r], keys, shi, hi[r], hd, a->scale, s[x][r], lo[r]);
+                scores_range(&kv, k1, q[x][r], lo[r], slo, hd, a->scale, s[x][r], lo[r]);
+                scores_range(&kv, k1, q[x][r], shi, hi[r], hd, a->scale, s[x][r], lo[r]);
             }
         /* over the shared keys every (head, row) is one query: four at a time where the
          * code has it, then pairs, then one (a row alone, attend_group, keeps its heads
@@ -2564,33 +2732,39 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
         const int64_t NQ = H * R, N4 = code->k4 ? NQ / 4 * 4 : 0;
         const float *qf[GROUP_HEADS * 2 * ATTN_MAX_PAIRS];
         float *of[GROUP_HEADS * 2 * ATTN_MAX_PAIRS], *sf[GROUP_HEADS * 2 * ATTN_MAX_PAIRS];
-        int64_t bf[GROUP_HEADS * 2 * ATTN_MAX_PAIRS];
+        int64_t bf[GROUP_HEADS * 2 * ATTN_MAX_PAIRS], bb[GROUP_HEADS * 2 * ATTN_MAX_PAIRS];
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++)
                 qf[x * R + r] = q[x][r], of[x * R + r] = o[x][r], sf[x * R + r] = s[x][r], bf[x * R + r] = lo[r];
         for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
+            const int64_t f = kv_keys(&kv, j0, j1, hd), b0 = j0 - f, b1 = j1 - f;
+            const float *keys = kv.kb;
+            for (int64_t i = 0; i < NQ; i++) bb[i] = bf[i] - f;
             int64_t i = 0;
-            for (; i < N4; i += 4) code->k4(qf + i, keys, j0, j1, hd, a->scale, sf + i, bf + i);
-            for (; i + 1 < NQ; i += 2) k2(qf[i], qf[i + 1], keys, j0, j1, hd, a->scale, sf[i], bf[i], sf[i + 1], bf[i + 1]);
-            if (i < NQ) k1(qf[i], keys, j0, j1, hd, a->scale, sf[i], bf[i]);
+            for (; i < N4; i += 4) code->k4(qf + i, keys, b0, b1, hd, a->scale, sf + i, bb + i);
+            for (; i + 1 < NQ; i += 2) k2(qf[i], qf[i + 1], keys, b0, b1, hd, a->scale, sf[i], bb[i], sf[i + 1], bb[i + 1]);
+            if (i < NQ) k1(qf[i], keys, b0, b1, hd, a->scale, sf[i], bb[i]);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++) sum[x][r] = softmax_avx2(s[x][r], hi[r] - lo[r]);
         /* values in ascending key order for each row: its own keys before the shared ones,
          * the shared ones (a block at a time, every row), its own keys after */
         for (int64_t x = 0; x < H; x++)
-            for (int64_t r = 0; r < R; r++) v1(o[x][r], s[x][r], lo[r], vals, lo[r], slo, hd);
+            for (int64_t r = 0; r < R; r++) values_range(&kv, v1, o[x][r], s[x][r], lo[r], lo[r], slo, hd);
         for (int64_t j0 = slo; j0 < shi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
+            const int64_t f = kv_values(&kv, j0, j1, hd), b0 = j0 - f, b1 = j1 - f;
+            const float *vals = kv.vb;
+            for (int64_t i = 0; i < NQ; i++) bb[i] = bf[i] - f;
             int64_t i = 0;
-            for (; i < N4; i += 4) code->v4(of + i, (const float *const *)(sf + i), bf + i, vals, j0, j1, hd);
-            for (; i + 1 < NQ; i += 2) v2(of[i], of[i + 1], sf[i], bf[i], sf[i + 1], bf[i + 1], vals, j0, j1, hd);
-            if (i < NQ) v1(of[i], sf[i], bf[i], vals, j0, j1, hd);
+            for (; i < N4; i += 4) code->v4(of + i, (const float *const *)(sf + i), bb + i, vals, b0, b1, hd);
+            for (; i + 1 < NQ; i += 2) v2(of[i], of[i + 1], sf[i], bb[i], sf[i + 1], bb[i + 1], vals, b0, b1, hd);
+            if (i < NQ) v1(of[i], sf[i], bb[i], vals, b0, b1, hd);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++) {
-                v1(o[x][r], s[x][r], lo[r], vals, shi, hi[r], hd);
+                values_range(&kv, v1, o[x][r], s[x][r], lo[r], shi, hi[r], hd);
                 for (int64_t i = 0; i < hd; i++) o[x][r][i] = o[x][r][i] / sum[x][r];
             }
     }
@@ -2640,12 +2814,13 @@ static int ranges_ok(int64_t T, const int64_t *lo, const int64_t *hi, int64_t ro
     return 1;
 }
 
-int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const float *k,
-                const float *v, int64_t rows, const int64_t *lo, const int64_t *hi, float scale,
-                float *out, int nthreads) {
+/* k, v: float32, or float16 with kv16 (a cache of kv_dtype float16) */
+int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const void *k,
+                const void *v, int64_t rows, const int64_t *lo, const int64_t *hi, float scale,
+                float *out, int nthreads, int kv16) {
     if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || !ranges_ok(T, lo, hi, rows)) return -1;
-    attn_t a = {q, k, v, out, T, nh, nkv, hd, rows, hd, T * hd, hd, T * hd, lo, hi, scale,
-                resolve_path(), 0, 0, NULL};
+    attn_t a = {q, kv16 ? NULL : k, kv16 ? NULL : v, out, T, nh, nkv, hd, rows, hd, T * hd, hd, T * hd, lo, hi,
+                scale, resolve_path(), 0, 0, NULL, kv16 ? k : NULL, kv16 ? v : NULL};
     return run_attention(&a, nthreads);
 }
 
@@ -2661,27 +2836,37 @@ static void rope_head(const float *x, const float *cos, const float *sin, int64_
 
 /* A chain's attention block after the fused q/k/v projection: qkv [T][ld] (q heads, then
  * k heads, then v heads), cos / sin [T][hd] for its positions; writes the roped keys and
- * the values to cache rows start .. start+T-1 of kc / vc [nkv][rows][hd], then attends
- * (query row t sees keys [lo[t], hi[t])) into out [T][nh * hd]. */
+ * the values to cache rows start .. start+T-1 of kc / vc [nkv][rows][hd] (float32, or
+ * float16 with kv16: rounded to nearest even), then attends (query row t sees keys
+ * [lo[t], hi[t])) into out [T][nh * hd]. */
 int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_t nkv, int64_t hd,
-                     const float *cos, const float *sin, float *kc, float *vc, int64_t rows,
+                     const float *cos, const float *sin, void *kc, void *vc, int64_t rows,
                      int64_t start, const int64_t *lo, const int64_t *hi, float scale,
-                     float *out, int nthreads) {
+                     float *out, int nthreads, int kv16) {
     if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || ld < (nh + 2 * nkv) * hd) return -1;
     if (start < 0 || start + T > rows || !ranges_ok(T, lo, hi, rows)) return -1;
-    float *qr = malloc(sizeof(float) * (size_t)(T * nh * hd));
+    const int path = resolve_path();
+    float *qr = malloc(sizeof(float) * (size_t)(T * nh * hd + (kv16 ? hd : 0)));
     if (!qr) return -4;
+    float *kr = qr + T * nh * hd; /* a roped key row before its rounding (kv16) */
     for (int64_t t = 0; t < T; t++) {
         const float *row = qkv + t * ld, *c = cos + t * hd, *s = sin + t * hd;
         for (int64_t h = 0; h < nh; h++) rope_head(row + h * hd, c, s, hd, qr + (t * nh + h) * hd);
         for (int64_t g = 0; g < nkv; g++) {
-            float *kd = kc + (g * rows + start + t) * hd, *vd = vc + (g * rows + start + t) * hd;
-            rope_head(row + (nh + g) * hd, c, s, hd, kd);
-            memcpy(vd, row + (nh + nkv + g) * hd, sizeof(float) * (size_t)hd);
+            const int64_t at = (g * rows + start + t) * hd;
+            const float *vs = row + (nh + nkv + g) * hd;
+            if (kv16) {
+                rope_head(row + (nh + g) * hd, c, s, hd, kr);
+                kv_narrow(kr, hd, (uint16_t *)kc + at, path);
+                kv_narrow(vs, hd, (uint16_t *)vc + at, path);
+            } else {
+                rope_head(row + (nh + g) * hd, c, s, hd, (float *)kc + at);
+                memcpy((float *)vc + at, vs, sizeof(float) * (size_t)hd);
+            }
         }
     }
-    attn_t a = {qr, kc, vc, out, T, nh, nkv, hd, rows, nh * hd, hd, nh * hd, hd, lo, hi, scale,
-                resolve_path(), 0, 0, NULL};
+    attn_t a = {qr, kv16 ? NULL : kc, kv16 ? NULL : vc, out, T, nh, nkv, hd, rows, nh * hd, hd, nh * hd, hd, lo,
+                hi, scale, path, 0, 0, NULL, kv16 ? kc : NULL, kv16 ? vc : NULL};
     int rc = run_attention(&a, nthreads);
     free(qr);
     return rc;
@@ -2798,8 +2983,9 @@ typedef struct {
  * [nkv][rows][hd]) and where its T rows go. */
 typedef struct {
     int64_t T;
-    float *k, *v;
+    void *k, *v; /* float32, or float16 with kv16 */
     int64_t rows, start, layer_stride;
+    int64_t kv16;
 } spec_seg_t;
 
 static int mat_apply(const spec_mat_t *mt, const float *x, int64_t m, float *y, int nthreads) {
@@ -2842,10 +3028,11 @@ int spec_layers(const spec_layer_t *layers, int64_t nlayers, int64_t dim, int64_
         if ((rc = mat_apply(&L->qkv, h, m, a, nthreads))) break;
         for (int64_t s = 0, off = 0; s < nseg && rc == 0; off += segs[s].T, s++) {
             const spec_seg_t *sg = &segs[s];
+            const int64_t es = sg->kv16 ? 2 : 4, at = l * sg->layer_stride * es; /* bytes */
             rc = spec_rope_attend(a + off * ldqkv, sg->T, ldqkv, nh, nkv, hd, cos + off * hd,
-                                  sin + off * hd, sg->k + l * sg->layer_stride,
-                                  sg->v + l * sg->layer_stride, sg->rows, sg->start, lo + off,
-                                  hi + off, scale, b + off * nh * hd, nthreads);
+                                  sin + off * hd, (uint8_t *)sg->k + at, (uint8_t *)sg->v + at,
+                                  sg->rows, sg->start, lo + off, hi + off, scale,
+                                  b + off * nh * hd, nthreads, (int)sg->kv16);
         }
         if (rc) break;
         if ((rc = mat_apply(&L->wo, b, m, a, nthreads))) break;

@@ -213,7 +213,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     if method == "draft" and not args.speculative_model:
         raise ValueError("--speculative-method draft needs --speculative-model NAME")
     trust = args.trust_unverified
-    target = load_model(args.model, dtype=args.dtype, trust_unverified=trust)
+    kv = args.kv_dtype
+    target = load_model(args.model, dtype=args.dtype, trust_unverified=trust, kv_dtype=kv)
     draft = None
     if method == "draft":
         draft = load_model(
@@ -221,6 +222,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
             dtype=args.draft_dtype,
             trust_unverified=trust,
             auto_fallback="int8",
+            kv_dtype=kv,
         )
     if args.threads is None:
         from speculant import native
