@@ -31,6 +31,7 @@ def test_pass_cost_end_to_end(
     argv = ["bench", "--pass-cost", "--target", str(target.source), "--draft", str(draft.source)]
     argv += ["--dtype", "float32", "--draft-dtype", "float32", "--pass-widths", "4,2"]
     argv += ["--pass-reps", "2", "--pass-context", "8", "--max-tokens", "4", "--out", str(out)]
+    argv += ["--pass-kv-dtypes", "float32,float16"]  # PyTorch-run weights keep their own
     assert main(argv) == 0
     for name in ("results.json", "results.md", "pass_cost.png"):
         assert (out / name).is_file(), name
@@ -41,7 +42,7 @@ def test_pass_cost_end_to_end(
     for r in ours:
         assert set(r["pass_ms"]) == {"1", "2", "4"}
         assert all(ms > 0 for ms in r["pass_ms"].values())
-        assert r["plain_tok_s"] > 0
+        assert r["plain_tok_s"] > 0 and "kv_dtype" not in r
     # not GGUF files: llama.cpp's rows say why instead of a number
     peers = [r for r in data["rows"] if r["engine"] == "llama.cpp"]
     assert len(peers) == 2 and all("GGUF" in r["unavailable"] for r in peers)
@@ -88,6 +89,7 @@ def test_pass_cost_compares_weight_formats(
         (["--pass-threads", "two"], "'two'"),
         (["--kernel-paths", "sse9"], "kernel path 'sse9'"),
         (["--pass-dtypes", "float32,fp8"], "dtype 'fp8'"),
+        (["--pass-kv-dtypes", "float16,bfloat16"], "kv dtype 'bfloat16'"),
         (["--serve"], "run one at a time"),
     ],
 )
@@ -170,3 +172,22 @@ def test_pass_cost_context_past_the_models_positions_is_refused(
     cfg = pass_cost.PassCostConfig(widths=[1, 8], context=limit, new=2, reps=1, llama_cpp=False)
     with pytest.raises(ValueError, match=f"--pass-context {limit} .* has {limit}"):
         pass_cost.measure_models([target], "target", cfg, say=lambda _: None)
+
+
+@pytest.mark.real
+def test_pass_cost_compares_cache_types(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pass-kv-dtypes: a GGUF model's float32 and float16 caches take turns, one row each."""
+    from conftest import real_model_path
+
+    monkeypatch.setenv("SPECULANT_LLAMA_CPP_BIN", str(tmp_path / "no-llama"))
+    out = tmp_path / "out"
+    path = real_model_path("smollm2-135m-instruct")
+    argv = ["bench", "--pass-cost", "--target", str(path), "--draft", "none"]
+    argv += ["--pass-kv-dtypes", "float32,float16", "--pass-widths", "2", "--pass-reps", "1"]
+    argv += ["--pass-context", "8", "--max-tokens", "2", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    ours = [r for r in data["rows"] if r["engine"] == "speculant"]
+    assert [(r["dtype"], r["kv_dtype"]) for r in ours] == [("gguf", "float32"), ("gguf", "float16")]
+    assert all(r["pass_ms"]["2"] > 0 and r["plain_tok_s"] > 0 for r in ours)
+    assert " kv float16 |" in (out / "results.md").read_text()

@@ -106,6 +106,16 @@ def _dtype_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _kv_dtype_list(text: str) -> list[str]:
+    names = _csv(text)
+    bad = [n for n in names if n not in ("float32", "float16")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"kv dtype {(bad or [text])[0]!r}: use some of float32, float16"
+        )
+    return list(dict.fromkeys(names))
+
+
 def _on_off(text: str) -> list[bool]:
     words = {"on": [True], "off": [False], "both": [True, False]}
     out: list[bool] = []
@@ -259,6 +269,14 @@ def add_pass_cost_args(p: argparse.ArgumentParser) -> None:
         help="measure the target in each of these weight formats instead of --dtype, one row "
         "each, taking turns within every repeat: e.g. bfloat16,int8,int4 (a folder) or "
         f"gguf,int8,int4 (a .gguf file); any of {', '.join(DTYPE_CHOICES)}",
+    )
+    g.add_argument(
+        "--pass-kv-dtypes",
+        type=_kv_dtype_list,
+        default=[],
+        metavar="KV,...",
+        help="key/value caches that take turns, one row each, for the models on the native "
+        "kernels: float32,float16 (see --kv-dtype; default: the models' own)",
     )
     g.add_argument(
         "--pass-threads",
@@ -629,6 +647,7 @@ def cmd_bench_pass_cost(args: argparse.Namespace) -> int:
         reps=args.pass_reps,
         paths=args.kernel_paths or [""],
         threads=args.pass_threads,
+        kv_dtypes=args.pass_kv_dtypes,
         llama_cpp=not args.no_llama_bench,
         # PyTorch-run weights keep every core even where GGUF ones share them (below)
         torch_threads=args.threads or torch.get_num_threads(),

@@ -8,10 +8,10 @@ rewound between repeats, so every pass sees the same context); the median of
 `--pass-reps` passes, its ratio to w = 1, and plain greedy decoding tok/s over
 `--max-tokens` tokens. The target in several weight formats (`--pass-dtypes
 bfloat16,int8,int4,gguf`, one row each), kernel paths (`--kernel-paths
-avx2,avx512vnni`, optionally with tuning knobs: `avx512vnni+prefetch_bytes=0`) and
-kernel thread counts (`--pass-threads 2,1`: the native kernels' threads for GGUF
-weights, PyTorch's for the others) take turns within every repeat, so that the
-machine's drift falls on all alike.
+avx2,avx512vnni`, optionally with tuning knobs: `avx512vnni+prefetch_bytes=0`), cache
+types (`--pass-kv-dtypes float32,float16`) and kernel thread counts (`--pass-threads
+2,1`: the native kernels' threads for GGUF weights, PyTorch's for the others) take turns
+within every repeat, so that the machine's drift falls on all alike.
 
 llama.cpp's `llama-bench` ($SPECULANT_LLAMA_CPP_BIN or PATH) runs beside it on the same
 GGUF files at the same thread counts: `-p W1,W2,... -n N -d CONTEXT`, a pass over w
@@ -49,6 +49,7 @@ class PassCostConfig:
     reps: int = 7
     paths: list[str] = field(default_factory=lambda: [""])  # "" = the one the CPU picks
     threads: list[int] = field(default_factory=list)  # [] = the kernels' default
+    kv_dtypes: list[str] = field(default_factory=list)  # [] = the models' own caches
     llama_cpp: bool = True
     # PyTorch's threads for weights PyTorch runs (not GGUF) when `threads` is empty;
     # None: as set when the run starts.
@@ -73,8 +74,8 @@ class PassCostConfig:
                 raise ValueError(f"kernel path {name!r}: use one of {', '.join(known)}")
 
 
-# A variant: (index of the model in the list, kernel path, threads).
-Variant = tuple[int, str, int | None]
+# A variant: (index of the model in the list, kernel path, threads, cache dtype or "").
+Variant = tuple[int, str, int | None, str]
 
 
 def _native(model: Model) -> bool:
@@ -83,14 +84,28 @@ def _native(model: Model) -> bool:
 
 
 def _variants(cfg: PassCostConfig, models: Sequence[Model]) -> list[Variant]:
-    """(model, kernel path, threads) triples that take turns; paths only for GGUF models."""
+    """(model, kernel path, threads, cache dtype) that take turns; paths and cache dtypes
+    only for GGUF models."""
     threads: list[int | None] = list(cfg.threads) if cfg.threads else [None]
     return [
-        (i, p, t)
+        (i, p, t, kv)
         for i, model in enumerate(models)
         for p in (cfg.paths if _native(model) else [""])
         for t in threads
+        for kv in ((cfg.kv_dtypes or [""]) if _native(model) else [""])
     ]
+
+
+def _new_cache(model: Model, kv: str, capacity: int) -> Any:
+    """A cache of the model's own type, or of kv (float32, float16)."""
+    if not kv:
+        return model.new_cache(capacity)
+    own = model.net.kv_dtype
+    model.net.set_kv_dtype(getattr(torch, kv))
+    try:
+        return model.new_cache(capacity)
+    finally:
+        model.net.kv_dtype = own
 
 
 def _use(
@@ -130,8 +145,9 @@ def measure_models(
     every (width, row) takes its turn within every repeat. `models` are one model in
     several weight formats (or any models sharing a tokenizer's prompt)."""
     ids_of: list[list[int]] = []
-    caches = []
-    for model in models:
+    variants = _variants(cfg, models)
+    caches: dict[tuple[int, str], Any] = {}
+    for i, model in enumerate(models):
         need = cfg.context + max(cfg.widths) + cfg.new
         if need > model.config.max_seq_len:
             raise ValueError(
@@ -144,11 +160,10 @@ def measure_models(
         ids = tok.encode(PROMPT * max(64, cfg.context))[: cfg.context]  # >= 1 token each
         if len(ids) < cfg.context:
             raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
-        cache = model.new_cache(need + 8)
-        model.prefill(ids, cache)
+        for kv in dict.fromkeys(v[3] for v in variants if v[0] == i):
+            cache = caches[i, kv] = _new_cache(model, kv, need + 8)
+            model.prefill(ids, cache)
         ids_of.append(ids)
-        caches.append(cache)
-    variants = _variants(cfg, models)
     defaults = native.tuning() if native.available() else {}
     start_torch = torch.get_num_threads()
     torch_threads = cfg.torch_threads or start_torch
@@ -157,10 +172,11 @@ def measure_models(
         _use(models[v[0]], v[1], v[2], defaults, (start_torch, torch_threads))
 
     def label(v: Variant) -> str:
-        return f"{models[v[0]].dtype_name} " if len(models) > 1 else ""
+        kv = f"kv {v[3]} " if v[3] else ""
+        return (f"{models[v[0]].dtype_name} " if len(models) > 1 else "") + kv
 
     def row(v: Variant) -> dict[str, Any]:
-        i, path, threads = v
+        i, path, threads, kv = v
         if _native(models[i]):
             kernel = path or native.kernel_label()
             used = threads if threads is not None else _DEFAULT_THREADS
@@ -175,7 +191,7 @@ def measure_models(
             "kernel_path": kernel,
             "threads": used,
             "pass_ms": {},
-        }
+        } | ({"kv_dtype": kv} if kv else {})
 
     rows: dict[Variant, dict[str, Any]] = {v: row(v) for v in variants}
     try:
@@ -185,13 +201,13 @@ def measure_models(
         for w in cfg.widths:
             for v in variants:
                 use(v)
-                models[v[0]].forward(ids_of[v[0]][:w], caches[v[0]], cfg.context)  # warm
+                models[v[0]].forward(ids_of[v[0]][:w], caches[v[0], v[3]], cfg.context)  # warm
                 times[w, v] = []
         for _ in range(cfg.reps):
             for w in cfg.widths:
                 for v in variants:
                     use(v)
-                    model, tokens, cache = models[v[0]], ids_of[v[0]][:w], caches[v[0]]
+                    model, tokens, cache = models[v[0]], ids_of[v[0]][:w], caches[v[0], v[3]]
                     t0 = time.perf_counter()
                     model.forward(tokens, cache, cfg.context)
                     times[w, v].append(time.perf_counter() - t0)
@@ -206,7 +222,7 @@ def measure_models(
         for _ in range(2):
             for v in variants:
                 use(v)
-                model, ids, cache = models[v[0]], ids_of[v[0]], caches[v[0]]
+                model, ids, cache = models[v[0]], ids_of[v[0]], caches[v[0], v[3]]
                 cache.length = cfg.context
                 last = int(model.forward(ids[-1:], cache, cfg.context - 1)[-1].argmax())
                 t0 = time.perf_counter()
@@ -350,8 +366,11 @@ def pass_cell(row: dict[str, Any], w: int) -> str:
 def engine_label(row: dict[str, Any]) -> str:
     if row["engine"] == "llama.cpp":
         return "llama.cpp"
-    return f"speculant {row['dtype']}" + (
-        f" {row['kernel_path']}" if row["dtype"] == "gguf" else ""
+    kv = f" kv {row['kv_dtype']}" if row.get("kv_dtype") else ""
+    return (
+        f"speculant {row['dtype']}"
+        + (f" {row['kernel_path']}" if row["dtype"] == "gguf" else "")
+        + kv
     )
 
 
