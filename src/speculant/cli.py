@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     from speculant.plan_cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from speculant.tune_cli import add_parser as add_tune_parser
+
+    add_tune_parser(sub)
     from speculant.eagle.cli import add_parsers as add_eagle_parsers
 
     add_eagle_parsers(sub)

@@ -222,7 +222,12 @@ def _load_path(
                 f"use one of {', '.join(d for d in DTYPE_NAMES if d != 'gguf')}"
             )
         if native.available():
+            from speculant.native import autotune
+
+            tuned = autotune.apply_saved()  # this CPU's `speculant tune` result, if any
             kernels = f", native {native.kernel_label()} kernels"
+            if tuned:
+                kernels += f" (tuned: {autotune.describe(tuned)})"
         else:
             dtype, quant = QUANTIZED["int8"], "int8"
             if progress:
