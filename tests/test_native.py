@@ -581,6 +581,12 @@ def test_gguf_dtype_on_real_models(name: str) -> None:
     want = dense.forward(ids, dense.new_cache(64), 0)
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.8, agree
+    _speculation_equals_plain(model, ids)
+
+
+def _speculation_equals_plain(model, ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Greedy speculation equals plain decoding: drafts rejected at the first and at the
+    fourth position, and a draft model (the model itself)."""
     reference = plain_greedy(model, ids, 24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for wrong_at in (0, 3):
@@ -591,25 +597,28 @@ def test_gguf_dtype_on_real_models(name: str) -> None:
     assert res.token_ids == reference
 
 
+def _tree_nodes_equal_chains(model, ids: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Every node of a tree pass gets its root-to-node chain's logits, bitwise."""
+    from speculant.models.decoder import Segment
+
+    cache = model.new_cache(96)
+    model.prefill(ids, cache)
+    nodes = torch.tensor([11, 22, 33, 44, 55, 66])
+    parents = [-1, 0, 1, 0, 3, 2]  # paths 0-1-2-5 and 0-3-4
+    logits, _ = model.net.forward_batch([Segment(nodes, cache, len(ids), tree_parents=parents)])
+    assert logits is not None
+    for path in ([0, 1, 2, 5], [0, 3, 4]):
+        chain = model.forward(nodes[path].tolist(), cache, len(ids))
+        for j, node in enumerate(path):
+            assert torch.equal(logits[0][node], chain[j]), (path, node)
+
+
 @pytest.mark.real
 def test_gguf_tree_nodes_equal_their_chains() -> None:
     """A chain runs through the fused native attention block, a tree's paths through
     torch rotary + native attention: every tree node's logits equal its path's chain."""
     model = load_model(real_model_path("smollm2-135m-instruct"), dtype="gguf", progress=False)
-    ids = model.tokenizer.encode(CODE)
-    cache = model.new_cache(96)
-    model.prefill(ids, cache)
-    start = len(ids)
-    nodes = torch.tensor([11, 22, 33, 44, 55, 66])
-    parents = [-1, 0, 1, 0, 3, 2]  # paths 0-1-2-5 and 0-3-4
-    from speculant.models.decoder import Segment
-
-    logits, _ = model.net.forward_batch([Segment(nodes, cache, start, tree_parents=parents)])
-    assert logits is not None
-    for path in ([0, 1, 2, 5], [0, 3, 4]):
-        chain = model.forward(nodes[path].tolist(), cache, start)
-        for j, node in enumerate(path):
-            assert torch.equal(logits[0][node], chain[j]), (path, node)
+    _tree_nodes_equal_chains(model, model.tokenizer.encode(CODE))
 
 
 @pytest.mark.real
@@ -619,8 +628,6 @@ def test_float16_kv_cache_on_real_models(name: str) -> None:
     greedy speculation equal to plain decoding with the same cache type (drafts rejected
     at every position, a draft model, tree nodes against their chains). Gemma 3 writes
     its cache through torch (q/k norms), SmolLM2 through the fused native layers."""
-    from speculant.models.decoder import Segment
-
     path = real_model_path(name)
     model = load_model(path, dtype="gguf", progress=False, kv_dtype="float16")
     full = load_model(path, dtype="gguf", progress=False)
@@ -630,26 +637,8 @@ def test_float16_kv_cache_on_real_models(name: str) -> None:
     got = model.forward(ids, model.new_cache(64), 0)
     want = full.forward(ids, full.new_cache(64), 0)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
-    reference = plain_greedy(model, ids, 24)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    for wrong_at in (0, 3):
-        scripted = ScriptedProposer(ids, reference + [0] * 8, wrong_at, model.vocab_size)
-        res = Engine(model, proposer=scripted, num_speculative_tokens=5).generate(ids, params)
-        assert res.token_ids == reference
-    assert Engine(model, draft=model, num_speculative_tokens=4).generate(ids, params).token_ids == (
-        reference
-    )
-    cache = model.new_cache(96)
-    model.prefill(ids, cache)
-    nodes = torch.tensor([11, 22, 33, 44, 55, 66])
-    logits, _ = model.net.forward_batch(
-        [Segment(nodes, cache, len(ids), tree_parents=[-1, 0, 1, 0, 3, 2])]
-    )
-    assert logits is not None
-    for tree_path in ([0, 1, 2, 5], [0, 3, 4]):
-        chain = model.forward(nodes[tree_path].tolist(), cache, len(ids))
-        for j, node in enumerate(tree_path):
-            assert torch.equal(logits[0][node], chain[j]), (tree_path, node)
+    _speculation_equals_plain(model, ids)
+    _tree_nodes_equal_chains(model, ids)
     with pytest.raises(ModelLoadError, match="kv_dtype float16 is not available"):
         load_model(path, dtype="float32", progress=False, kv_dtype="float16")
     with pytest.raises(ValueError, match="kv_dtype='bfloat16': use one of auto, float32"):
