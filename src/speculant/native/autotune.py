@@ -33,6 +33,8 @@ CANDIDATES: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("wide_tiles", (0, 1)),
     ("wide_min_rows", (1, 3)),
     ("prefetch_l2_bytes", (0, 4096)),
+    ("prefetch_bytes", (1024, 2048, 4096)),
+    ("span_blocks", (0, 4)),
     ("attention_512", (0, 1)),
 )
 _CPU_FLAGS: tuple[str, ...] = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")
