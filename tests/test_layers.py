@@ -13,7 +13,7 @@ under TYPE_CHECKING). Checked:
   `python tests/test_layers.py` prints the block to paste.
 
 A component is a top-level module or subpackage of speculant, with two exceptions:
-every `cli` module (`speculant.cli`, `speculant.plan_cli`, `speculant.<package>.cli`)
+every `cli` module (`speculant.cli`, `speculant.<name>_cli`, `speculant.<package>.cli`)
 belongs to the command line, the top layer, and `speculant.eagle.head` (the EAGLE
 network the eagle proposer runs) is apart from the rest of `speculant.eagle` (training
 and export of heads, which run the engine).
@@ -148,7 +148,7 @@ def import_edges() -> tuple[Edges, Edges]:
 
 def component(module: str) -> str:
     parts = module.split(".")
-    if parts[-1] in ("cli", "plan_cli"):
+    if parts[-1] == "cli" or parts[-1].endswith("_cli"):
         return "cli"
     if module == "speculant.eagle.head":
         return "eagle.head"

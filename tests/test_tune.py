@@ -96,6 +96,22 @@ def test_saved_tuning_applies_once_and_only_on_this_cpu(autotune, tmp_path: Path
     assert autotune.load_saved() == (None, "SPECULANT_TUNING=0")
 
 
+def test_tuning_file_sits_in_the_model_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """tuning_path mirrors models.registry.speculant_home (the kernels cannot import it)."""
+    from speculant.models.registry import speculant_home
+    from speculant.native import autotune
+
+    monkeypatch.delenv("SPECULANT_TUNING_FILE", raising=False)
+    for home in (None, str(tmp_path / "home")):
+        if home is None:
+            monkeypatch.delenv("SPECULANT_HOME", raising=False)
+        else:
+            monkeypatch.setenv("SPECULANT_HOME", home)
+        assert autotune.tuning_path() == speculant_home() / autotune.FILE_NAME
+
+
 @pytest.mark.real
 def test_tune_cli_end_to_end(autotune, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """`speculant tune` on SmolLM2 (3 rounds, short context): saves a file for this CPU

@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,14 @@ _applied: dict[str, int] | None = None  # what apply_saved set in this process
 
 
 def tuning_path() -> Path:
-    """`$SPECULANT_TUNING_FILE`, else kernel-tuning.json in the model cache folder."""
+    """`$SPECULANT_TUNING_FILE`, else kernel-tuning.json in the model cache folder
+    (`$SPECULANT_HOME` or ~/.cache/speculant, as models.registry.speculant_home: the
+    kernels sit below the models and cannot import it; a test keeps the two equal)."""
     env = os.environ.get("SPECULANT_TUNING_FILE")
     if env:
         return Path(env).expanduser()
-    from speculant.models.registry import speculant_home
-
-    return speculant_home() / FILE_NAME
+    home = os.environ.get("SPECULANT_HOME")
+    return (Path(home).expanduser() if home else Path.home() / ".cache" / "speculant") / FILE_NAME
 
 
 def cpu_signature() -> dict[str, Any]:
@@ -98,9 +100,10 @@ def _set(knobs: dict[str, int]) -> None:
         native.tune(knob, value)
 
 
-def _prompt_ids(model: Any, n: int) -> list[int]:
-    from speculant.bench.pass_cost import PROMPT
+PROMPT = "def quicksort(items):\n    "  # repeated to the context's length
 
+
+def _prompt_ids(model: Any, n: int) -> list[int]:
     ids: list[int] = model.tokenizer.encode(PROMPT * max(64, n))[:n]
     return ids
 
@@ -197,8 +200,6 @@ def run_tune(
                     best = alt
     finally:
         _set({knob: builtin[knob] for knob, _ in CANDIDATES})
-    from speculant.bench.measure import now_utc
-
     return {
         "version": VERSION,
         "cpu": cpu_signature(),
@@ -209,7 +210,7 @@ def run_tune(
         "widths": list(widths),
         "context": context,
         "rounds": rounds,
-        "when": now_utc(),
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
