@@ -45,7 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--show", action="store_true", help="print the saved tuning and exit")
     what.add_argument("--reset", action="store_true", help="remove the saved tuning and exit")
-    p.add_argument("--trust-unverified", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--trust-unverified", action="store_true", help="load a model file that fails its check"
+    )
     p.set_defaults(func=cmd_tune)
     return p
 

@@ -86,7 +86,7 @@ def builtin_knobs() -> dict[str, int]:
 
 
 def _applies(knob: str, best: dict[str, int], path: str) -> bool:
-    if knob in ("wide_tiles",):
+    if knob == "wide_tiles":
         return path.startswith("avx512vnni")
     if knob == "wide_min_rows":  # only where the two-column tiles run
         return path.startswith("avx512vnni") and best.get("wide_tiles", 0) == 1
@@ -114,13 +114,18 @@ def measure(
     widths: Sequence[int],
     context: int,
     rounds: int,
+    state: dict[str, Any] | None = None,
 ) -> list[list[dict[int, float]]]:
     """times[s][round][w]: seconds of a pass over w tokens after `context` tokens with the
     knobs of settings[s]; the settings take turns within every round (order alternating),
-    one warm-up pass each first."""
-    ids = _prompt_ids(model, context + max(widths))
-    cache = model.new_cache(context + max(widths) + 8)
-    model.prefill(ids[:context], cache)
+    one warm-up pass each first. `state` keeps the prompt and its prefilled cache from one
+    call to the next (every pass rewrites the same rows past the context)."""
+    state = {} if state is None else state
+    if "cache" not in state:
+        state["ids"] = _prompt_ids(model, context + max(widths))
+        state["cache"] = model.new_cache(context + max(widths) + 8)
+        model.prefill(state["ids"][:context], state["cache"])
+    ids, cache = state["ids"], state["cache"]
     times: list[list[dict[int, float]]] = [[] for _ in settings]
     for r in range(rounds + 1):
         order = list(range(len(settings)))
@@ -174,19 +179,19 @@ def run_tune(
     # decode steps weigh half, verify passes the rest (the default drafts up to 7 tokens)
     share = 0.5 / max(1, len([w for w in widths if w > 1]))
     weights = {w: (0.5 if w == 1 else share) for w in widths}
-    if len(weights) == 1:
-        weights = {widths[0]: 1.0}
+    state: dict[str, Any] = {}  # the prefilled context, shared by every comparison
     best = {knob: builtin[knob] for knob, _ in CANDIDATES}
     trials: list[dict[str, Any]] = []
     try:
         for knob, values in CANDIDATES:
             if not _applies(knob, best, path):
                 continue
+            start = best[knob]  # each other value is tried once, against the best so far
             for value in values:
-                if value == best[knob]:
+                if value == start:
                     continue
                 alt = dict(best, **{knob: value})
-                a, b = measure(model, [best, alt], widths, context, rounds)
+                a, b = measure(model, [best, alt], widths, context, rounds, state)
                 ratio, won = compare(a, b, weights)
                 kept = ratio <= 1 - MARGIN and won >= 2 / 3
                 trials.append(
