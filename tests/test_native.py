@@ -647,11 +647,12 @@ def test_float16_kv_cache_on_real_models(name: str) -> None:
 
 @pytest.mark.real
 def test_auto_dtype_is_the_native_path_for_gguf_files(capsys) -> None:  # type: ignore[no-untyped-def]
-    from speculant.argtypes import DTYPE_CHOICES
+    from speculant.argtypes import DTYPE_CHOICES, KV_DTYPE_CHOICES
     from speculant.cli import main
-    from speculant.models.model import DTYPE_NAMES
+    from speculant.models.model import DTYPE_NAMES, KV_DTYPE_NAMES
 
     assert ("auto", *DTYPE_NAMES) == DTYPE_CHOICES  # the CLIs' list, kept torch-free
+    assert KV_DTYPE_NAMES == KV_DTYPE_CHOICES
     path = real_model_path("smollm2-135m-instruct")
     assert load_model(path, dtype="auto", progress=False).dtype_name == "gguf"
     with pytest.raises(ValueError, match="auto_fallback='auto': use one of bfloat16"):

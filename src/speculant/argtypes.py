@@ -141,6 +141,7 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
     add_kv_dtype_arg(parser)
 
 
+# The key/value caches' element types (models.model.KV_DTYPE_NAMES, kept torch-free here).
 KV_DTYPE_CHOICES = ("auto", "float32", "float16")
 
 

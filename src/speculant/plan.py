@@ -218,7 +218,8 @@ def kv_bytes(
     _, act = _check_dtype(dtype)
     if kv_dtype != "auto":
         if kv_dtype not in KV_BYTES:
-            raise PlanError(f"kv dtype {kv_dtype!r} is not known: use auto, float32 or float16")
+            known = ", ".join(("auto", *KV_BYTES))
+            raise PlanError(f"kv dtype {kv_dtype!r} is not known: use {known}")
         act = KV_BYTES[kv_dtype]
     rows = cache_rows(context, draft)
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * rows * batch * act

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speculant.argtypes import add_deprecated_option
+from speculant.argtypes import KV_DTYPE_CHOICES, add_deprecated_option
 from speculant.plan import DEVICES, DTYPES, GiB, Plan, PlanError, device_budget, make_plan
 
 EPILOG = """\
@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-dtype",
         default="auto",
-        choices=["auto", "float32", "float16"],
+        choices=KV_DTYPE_CHOICES,
         help="key/value cache elements (default auto: the activations' size; float16 with "
         "the native kernels halves float32 caches, as `speculant generate --kv-dtype`)",
     )

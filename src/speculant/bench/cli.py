@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from speculant.argtypes import DTYPE_CHOICES, add_dtype_args, positive_int, seed_value
+from speculant.argtypes import (
+    DTYPE_CHOICES,
+    KV_DTYPE_CHOICES,
+    add_dtype_args,
+    positive_int,
+    seed_value,
+)
 from speculant.bench.measure import DEFAULT_WATTS_PER_CORE
 from speculant.bench.peers import PEER_GROUPS, PEER_NAMES
 from speculant.bench.quant import add_quant_args
@@ -108,10 +114,11 @@ def _dtype_list(text: str) -> list[str]:
 
 def _kv_dtype_list(text: str) -> list[str]:
     names = _csv(text)
-    bad = [n for n in names if n not in ("float32", "float16")]
+    known = [n for n in KV_DTYPE_CHOICES if n != "auto"]
+    bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"kv dtype {(bad or [text])[0]!r}: use some of float32, float16"
+            f"kv dtype {(bad or [text])[0]!r}: use some of {', '.join(known)}"
         )
     return list(dict.fromkeys(names))
 

@@ -96,18 +96,6 @@ def _variants(cfg: PassCostConfig, models: Sequence[Model]) -> list[Variant]:
     ]
 
 
-def _new_cache(model: Model, kv: str, capacity: int) -> Any:
-    """A cache of the model's own type, or of kv (float32, float16)."""
-    if not kv:
-        return model.new_cache(capacity)
-    own = model.net.kv_dtype
-    model.net.set_kv_dtype(getattr(torch, kv))
-    try:
-        return model.new_cache(capacity)
-    finally:
-        model.net.kv_dtype = own
-
-
 def _use(
     model: Model,
     path: str,
@@ -161,7 +149,7 @@ def measure_models(
         if len(ids) < cfg.context:
             raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
         for kv in dict.fromkeys(v[3] for v in variants if v[0] == i):
-            cache = caches[i, kv] = _new_cache(model, kv, need + 8)
+            cache = caches[i, kv] = model.new_cache(need + 8, getattr(torch, kv) if kv else None)
             model.prefill(ids, cache)
         ids_of.append(ids)
     defaults = native.tuning() if native.available() else {}

@@ -139,10 +139,10 @@ class Transformer:
             self._row_padding = calibrate(self.config, self.weights, self.dtype)
         return self._row_padding
 
-    def set_kv_dtype(self, kv_dtype: torch.dtype) -> None:
-        """The element type of the caches `new_cache` makes: the activations' dtype, or
-        float16 on the native path (keys and values rounded to float16 as they are
-        written; attention computes in float32 over them, on every path the same bits)."""
+    def _check_kv_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        """kv_dtype if this model's caches can hold it: the activations' dtype, or float16
+        on the native path (keys and values rounded to float16 as they are written;
+        attention computes in float32 over them, on every path the same bits)."""
         if kv_dtype != self.dtype and not (kv_dtype == torch.float16 and self.native_ops):
             have = "the native kernels" if self.native_ops else f"{self.dtype} through PyTorch"
             raise ValueError(
@@ -150,11 +150,17 @@ class Transformer:
                 f"model (it runs {have}): use {str(self.dtype).removeprefix('torch.')}, or "
                 "float16 with GGUF weights on the native kernels (--dtype gguf)"
             )
-        self.kv_dtype = kv_dtype
+        return kv_dtype
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def set_kv_dtype(self, kv_dtype: torch.dtype) -> None:
+        """The element type of the caches `new_cache` makes by default."""
+        self.kv_dtype = self._check_kv_dtype(kv_dtype)
+
+    def new_cache(self, capacity: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+        """A cache of `capacity` positions, of kv_dtype (default: set_kv_dtype's)."""
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, self.kv_dtype)
+        dtype = self.kv_dtype if kv_dtype is None else self._check_kv_dtype(kv_dtype)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype)
 
     @torch.inference_mode()
     def forward(

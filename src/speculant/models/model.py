@@ -82,8 +82,8 @@ class Model:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return self.net.new_cache(capacity)
+    def new_cache(self, capacity: int, kv_dtype: torch.dtype | None = None) -> KVCache:
+        return self.net.new_cache(capacity, kv_dtype)
 
     def forward(self, token_ids: Sequence[int] | Tensor, cache: KVCache, start: int) -> Tensor:
         """Logits [T, vocab] float32 for tokens at positions start .. start+T-1."""

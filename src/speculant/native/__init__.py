@@ -724,10 +724,9 @@ def run_layers(
     segs = (_Seg * len(segments))()
     total = 0
     for i, (t, k, v, start) in enumerate(segments):
-        if k.dtype not in KV_DTYPES or k.dtype != v.dtype or not k.is_contiguous():
-            raise ValueError("caches must be contiguous float32 or float16 keys and values")
-        if not v.is_contiguous() or k.shape != v.shape:
-            raise ValueError("caches must be contiguous keys and values of one shape")
+        kv16 = _cache_kind(k, v)
+        if k.shape != v.shape:
+            raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)}: one shape wanted")
         if k.shape[0] < table.n_layers or k.shape[2:] != (nkv, k.shape[3], hd):
             raise ValueError(f"cache of shape {tuple(k.shape)} for {table.n_layers} layers")
         rows = k.shape[3]
@@ -735,7 +734,7 @@ def run_layers(
             raise ValueError(f"rows {start}..{start + t} of a {rows}-row cache")
         segs[i].T, segs[i].k, segs[i].v = t, k.data_ptr(), v.data_ptr()
         segs[i].rows, segs[i].start, segs[i].layer_stride = rows, start, nkv * rows * hd
-        segs[i].kv16 = int(k.dtype == torch.float16)
+        segs[i].kv16 = kv16
         total += t
     if total != m:
         raise ValueError(f"segments of {total} rows for {m} rows")

@@ -2538,13 +2538,13 @@ static const attn_code_t attn_512 = {scores_one_512, scores_two_512, values_one_
                                      values_two_512, scores_four_512, values_four_512};
 
 /* One key/value group's cache as the vector code reads it. A float32 cache is read in
- * place (kb, vb: the group's rows, f = 0 below); a float16 one is widened a block of keys
- * at a time into a per-thread buffer (kb, vb: the block, whose first key is f). */
+ * place (kb, vb: the group's rows, never changed; f = 0 below); a float16 one is widened a
+ * block of keys at a time into a per-thread buffer (kb, vb: the block, whose first key is
+ * f). */
 typedef struct {
     const float *kb, *vb;
     const uint16_t *k16, *v16;
     float *buf; /* KEY_BLOCK keys, then KEY_BLOCK values */
-    const float *k, *v;
     int path;
 } kv_group_t;
 static int kv_group(const attn_t *a, int64_t g, kv_group_t *kv) {
@@ -2552,8 +2552,8 @@ static int kv_group(const attn_t *a, int64_t g, kv_group_t *kv) {
     memset(kv, 0, sizeof *kv);
     kv->path = a->path;
     if (!a->k16) {
-        kv->kb = kv->k = a->k + at;
-        kv->vb = kv->v = a->v + at;
+        kv->kb = a->k + at;
+        kv->vb = a->v + at;
         return 0;
     }
     kv->k16 = a->k16 + at, kv->v16 = a->v16 + at;
@@ -2567,6 +2567,13 @@ static inline int64_t kv_keys(kv_group_t *kv, int64_t j0, int64_t j1, int64_t hd
     kv_widen(kv->k16, j0, j1, hd, kv->buf, kv->path);
     kv->kb = kv->buf;
     return j0;
+}
+/* the queries' score offsets for a block whose first key is f: bf itself for a float32
+ * cache (f = 0), else bf - f in out */
+static inline const int64_t *kv_bases(const int64_t *bf, int64_t n, int64_t f, int64_t *out) {
+    if (!f) return bf;
+    for (int64_t i = 0; i < n; i++) out[i] = bf[i] - f;
+    return out;
 }
 static inline int64_t kv_values(kv_group_t *kv, int64_t j0, int64_t j1, int64_t hd) {
     if (!kv->v16) return 0;
@@ -2647,7 +2654,7 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
 AVX2 static void scores_range(kv_group_t *kv, scores_one_fn k1, const float *q, int64_t j0, int64_t j1,
                               int64_t hd, float scale, float *s, int64_t sb) {
     if (!kv->k16) {
-        k1(q, kv->k, j0, j1, hd, scale, s, sb);
+        k1(q, kv->kb, j0, j1, hd, scale, s, sb);
         return;
     }
     for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) {
@@ -2659,7 +2666,7 @@ AVX2 static void scores_range(kv_group_t *kv, scores_one_fn k1, const float *q, 
 AVX2 static void values_range(kv_group_t *kv, values_one_fn v1, float *o, const float *s, int64_t sb, int64_t j0,
                               int64_t j1, int64_t hd) {
     if (!kv->v16) {
-        v1(o, s, sb, kv->v, j0, j1, hd);
+        v1(o, s, sb, kv->vb, j0, j1, hd);
         return;
     }
     for (int64_t b0 = j0; b0 < j1; b0 += KEY_BLOCK) {
@@ -2741,11 +2748,11 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
             const int64_t f = kv_keys(&kv, j0, j1, hd), b0 = j0 - f, b1 = j1 - f;
             const float *keys = kv.kb;
-            for (int64_t i = 0; i < NQ; i++) bb[i] = bf[i] - f;
+            const int64_t *sb = kv_bases(bf, NQ, f, bb);
             int64_t i = 0;
-            for (; i < N4; i += 4) code->k4(qf + i, keys, b0, b1, hd, a->scale, sf + i, bb + i);
-            for (; i + 1 < NQ; i += 2) k2(qf[i], qf[i + 1], keys, b0, b1, hd, a->scale, sf[i], bb[i], sf[i + 1], bb[i + 1]);
-            if (i < NQ) k1(qf[i], keys, b0, b1, hd, a->scale, sf[i], bb[i]);
+            for (; i < N4; i += 4) code->k4(qf + i, keys, b0, b1, hd, a->scale, sf + i, sb + i);
+            for (; i + 1 < NQ; i += 2) k2(qf[i], qf[i + 1], keys, b0, b1, hd, a->scale, sf[i], sb[i], sf[i + 1], sb[i + 1]);
+            if (i < NQ) k1(qf[i], keys, b0, b1, hd, a->scale, sf[i], sb[i]);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++) sum[x][r] = softmax_avx2(s[x][r], hi[r] - lo[r]);
@@ -2757,11 +2764,11 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
             const int64_t j1 = j0 + KEY_BLOCK < shi ? j0 + KEY_BLOCK : shi;
             const int64_t f = kv_values(&kv, j0, j1, hd), b0 = j0 - f, b1 = j1 - f;
             const float *vals = kv.vb;
-            for (int64_t i = 0; i < NQ; i++) bb[i] = bf[i] - f;
+            const int64_t *sb = kv_bases(bf, NQ, f, bb);
             int64_t i = 0;
-            for (; i < N4; i += 4) code->v4(of + i, (const float *const *)(sf + i), bb + i, vals, b0, b1, hd);
-            for (; i + 1 < NQ; i += 2) v2(of[i], of[i + 1], sf[i], bb[i], sf[i + 1], bb[i + 1], vals, b0, b1, hd);
-            if (i < NQ) v1(of[i], sf[i], bb[i], vals, b0, b1, hd);
+            for (; i < N4; i += 4) code->v4(of + i, (const float *const *)(sf + i), sb + i, vals, b0, b1, hd);
+            for (; i + 1 < NQ; i += 2) v2(of[i], of[i + 1], sf[i], sb[i], sf[i + 1], sb[i + 1], vals, b0, b1, hd);
+            if (i < NQ) v1(of[i], sf[i], sb[i], vals, b0, b1, hd);
         }
         for (int64_t x = 0; x < H; x++)
             for (int64_t r = 0; r < R; r++) {
