@@ -663,9 +663,37 @@ def test_auto_dtype_is_the_native_path_for_gguf_files(capsys) -> None:  # type: 
     assert f"gguf, native {native.kernel_label()} kernels" in err, err
     assert "KV cache" not in err
     assert main([*argv, "--max-tokens", "2", "--ignore-eos", "--kv-dtype", "float16"]) == 0
-    assert "kernels, float16 KV cache" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"kernels ({native.THREADS} thread" in err, err  # and how many threads
+    assert "), float16 KV cache" in err, err
     assert main(["models", "list"]) == 0
     assert "runs each file's quantized blocks on the native" in capsys.readouterr().out
+
+
+@pytest.mark.real
+def test_threads_flag_sets_the_kernels_threads(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """--threads N is the native kernels' thread count (it used to set only PyTorch's,
+    which the default GGUF path hardly uses); PyTorch keeps one thread beside them."""
+    from speculant.cli import main
+
+    monkeypatch.setattr(native, "THREADS", native.THREADS)  # restored afterwards
+    monkeypatch.setattr(native, "THREADS_WHY", native.THREADS_WHY)
+    torch_threads = torch.get_num_threads()
+    argv = ["generate", "x", "--target", "smollm2-135m-instruct", "--method", "none"]
+    try:
+        for n in (1, 3):
+            assert main([*argv, "--max-tokens", "2", "--ignore-eos", "--threads", str(n)]) == 0
+            err = capsys.readouterr().err
+            got = (native.THREADS, native.THREADS_WHY)
+            assert got == (n, "--threads")
+            assert f"kernels ({n} thread{'s' if n > 1 else ''})" in err, err
+            assert torch.get_num_threads() == 1
+        assert native.threads_label() == "3 threads (--threads)"
+        assert main([*argv, "--threads", "0"]) == 2
+        assert "--threads=0 is out of range: use >= 1" in capsys.readouterr().err
+        assert native.THREADS == 3  # a refused value changes nothing
+    finally:
+        torch.set_num_threads(torch_threads)
 
 
 @pytest.mark.real

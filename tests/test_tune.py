@@ -133,7 +133,7 @@ def test_tune_cli_end_to_end(autotune, capsys: pytest.CaptureFixture[str]) -> No
     saved.write_text(json.dumps(data))
     autotune._applied = None  # a new process, as far as apply_saved knows
     load_model(path, progress=True)
-    assert f"(tuned: span_cols={data['knobs']['span_cols']})" in capsys.readouterr().err
+    assert f"; tuned: span_cols={data['knobs']['span_cols']})" in capsys.readouterr().err
     assert main(["tune", "--reset"]) == 0 and not saved.exists()
     assert main(["tune", "--rounds", "2", "--target", str(path)]) == 2
     assert "rounds=2: at least 3" in capsys.readouterr().err

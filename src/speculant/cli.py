@@ -140,7 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load model files that fail their SHA-256 check (logged)",
     )
-    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for the kernels (default: one per physical core this process may "
+        "use, within its CPU quota, or $SPECULANT_THREADS); beside the native kernels "
+        "PyTorch keeps one",
+    )
     gen.add_argument(
         "--stream-cadence-ms",
         type=float,
@@ -178,14 +185,11 @@ def _methods() -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+    from speculant import Engine, SamplingParams, load_model, native
 
-    from speculant import Engine, SamplingParams, load_model
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise CliError(f"--threads={args.threads} is out of range: use >= 1")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads={args.threads} is out of range: use >= 1")
+    native.use_threads(args.threads)
     if args.method is None:
         args.method = "draft" if args.draft is not None else DEFAULT_METHOD
     if args.draft is None:
@@ -218,10 +222,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             auto_fallback="int8",
             kv_dtype=kv,
         )
-    if args.threads is None:
-        from speculant import native
-
-        native.share_cores_if_native(target, draft)
+    native.share_cores_if_native(target, draft)
     engine = Engine(
         target,
         draft=draft,

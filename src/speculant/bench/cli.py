@@ -291,8 +291,8 @@ def add_pass_cost_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="T,...",
         help="kernel thread counts taking turns, e.g. 2,1: the native kernels' threads for "
-        "GGUF weights, PyTorch's for the others (default: every core, or $SPECULANT_THREADS "
-        "and --threads); llama-bench runs at each",
+        "GGUF weights, PyTorch's for the others (default: --threads, else $SPECULANT_THREADS, "
+        "else one per physical core); llama-bench runs at each",
     )
     g.add_argument(
         "--kernel-paths",
@@ -387,7 +387,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens")
     add_dtype_args(p)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="threads for the kernels and the peers (default: one per physical core this "
+        "process may use, within its CPU quota, or $SPECULANT_THREADS); beside the native "
+        "kernels PyTorch keeps one",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-out/bench"), help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generations")
@@ -453,7 +460,7 @@ def _command() -> str:
 
 def _load_models(args: argparse.Namespace, with_draft: bool) -> tuple[Any, Any]:
     """The target (and the draft when asked) as the flags say, and the threads: --threads
-    for PyTorch, else PyTorch on one core beside the native kernels."""
+    for the kernels (`native.use_threads`), PyTorch on one core beside the native ones."""
     targets, draft = _load_targets(args, [args.dtype], with_draft)
     return targets[0], draft
 
@@ -463,13 +470,11 @@ def _load_targets(
 ) -> tuple[list[Any], Any]:
     """_load_models with the target in each of `dtypes` (a dtype that resolves to a format
     already loaded, as auto may, is left out)."""
-    import torch
 
     from speculant import native
     from speculant.models.model import load_model
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    native.use_threads(args.threads)
     trust, kv = args.trust_unverified, args.kv_dtype
     targets: list[Any] = []
     for dtype in dtypes:
@@ -489,8 +494,7 @@ def _load_targets(
             auto_fallback="int8",
             kv_dtype=kv,
         )
-    if args.threads is None:
-        native.share_cores_if_native(*targets, draft)
+    native.share_cores_if_native(*targets, draft)
     return targets, draft
 
 

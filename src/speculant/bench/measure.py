@@ -310,10 +310,13 @@ def machine_info() -> dict[str, Any]:
 
     import torch
 
+    from speculant import native
+
     return {
         "cpu": cpu_description(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "kernel_threads": native.THREADS if native.available() else None,
         "python": platform.python_version(),
         "platform": platform.platform(),
     }

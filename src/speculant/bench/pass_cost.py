@@ -38,7 +38,6 @@ from speculant.bench.peers import LLAMA_CLI_HINT, llama_cli_binary
 from speculant.models.model import Model
 
 PROMPT = "def quicksort(items):\n    "
-_DEFAULT_THREADS: int = native.THREADS  # the kernels' threads when none are asked for
 
 
 @dataclass
@@ -102,19 +101,20 @@ def _use(
     threads: int | None,
     defaults: dict[str, int],
     torch_threads: tuple[int, int],
+    kernel_threads: int,
 ) -> None:
     """Set the kernels for one variant: the native path, knobs and threads for GGUF
     weights; PyTorch's threads for the others. torch_threads: PyTorch's threads beside
     the native kernels, and for the weights it runs when `threads` is None."""
     if _native(model):
-        _set_native(path, threads, defaults)
+        _set_native(path, threads if threads is not None else kernel_threads, defaults)
         torch.set_num_threads(torch_threads[0])
     else:
-        _set_native("", None, defaults)
+        _set_native("", kernel_threads, defaults)
         torch.set_num_threads(threads if threads is not None else torch_threads[1])
 
 
-def _set_native(path: str, threads: int | None, defaults: dict[str, int]) -> None:
+def _set_native(path: str, threads: int, defaults: dict[str, int]) -> None:
     if not native.available():
         return
     native.set_path(path.split("+", 1)[0] if path else "auto")
@@ -123,7 +123,7 @@ def _set_native(path: str, threads: int | None, defaults: dict[str, int]) -> Non
     for item in path.split("+")[1:]:
         name, _, text = item.partition("=")
         native.tune(name, int(text))
-    native.THREADS = threads if threads is not None else _DEFAULT_THREADS
+    native.THREADS = threads
 
 
 def measure_models(
@@ -153,11 +153,12 @@ def measure_models(
             model.prefill(ids, cache)
         ids_of.append(ids)
     defaults = native.tuning() if native.available() else {}
+    start_kernels = native.THREADS  # the kernels' threads when none are asked for
     start_torch = torch.get_num_threads()
     torch_threads = cfg.torch_threads or start_torch
 
     def use(v: Variant) -> None:
-        _use(models[v[0]], v[1], v[2], defaults, (start_torch, torch_threads))
+        _use(models[v[0]], v[1], v[2], defaults, (start_torch, torch_threads), start_kernels)
 
     def label(v: Variant) -> str:
         kv = f"kv {v[3]} " if v[3] else ""
@@ -167,7 +168,7 @@ def measure_models(
         i, path, threads, kv = v
         if _native(models[i]):
             kernel = path or native.kernel_label()
-            used = threads if threads is not None else _DEFAULT_THREADS
+            used = threads if threads is not None else start_kernels
         else:
             kernel = "torch"
             used = threads if threads is not None else torch_threads
@@ -220,7 +221,7 @@ def measure_models(
         for v in variants:
             rows[v]["plain_tok_s"] = statistics.median(speeds[v])
     finally:
-        _set_native("", None, defaults)
+        _set_native("", start_kernels, defaults)
         torch.set_num_threads(start_torch)
     return list(rows.values())
 
@@ -239,7 +240,7 @@ def llama_bench_rows(
         return [base | {"unavailable": f"llama-bench not found: {LLAMA_CLI_HINT}"}]
     rows = []
     depth = cfg.context if _takes_depth(tool) else 0
-    for threads in cfg.threads or [_DEFAULT_THREADS]:
+    for threads in cfg.threads or [native.THREADS]:
         cmd = [
             str(tool),
             "-m",

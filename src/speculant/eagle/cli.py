@@ -147,7 +147,13 @@ def _add_train_args(eagle: argparse.ArgumentParser) -> None:
         "--save-every", type=positive_int, default=d.save_every, help="checkpoint interval (steps)"
     )
     eagle.add_argument("--seed", type=nonneg_int, default=d.seed)
-    eagle.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    eagle.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="threads for training and the target's kernels (default: PyTorch's, and one "
+        "per physical core for the native kernels)",
+    )
     eagle.add_argument(
         "--trust-unverified",
         action="store_true",
@@ -157,13 +163,11 @@ def _add_train_args(eagle: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
-    import torch
-
+    from speculant import native
     from speculant.eagle.train import TrainError, TrainOptions, run
     from speculant.models.model import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    native.use_threads(args.threads)
     if not args.lr > 0:
         raise TrainError(f"--lr={args.lr} is out of range: use > 0")
     sources = [s.strip() for s in args.data.split(",") if s.strip()]

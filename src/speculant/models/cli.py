@@ -78,7 +78,8 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     if native.available():
         table.caption = (
             f"--dtype auto (the default) runs each file's quantized blocks on the native "
-            f"{native.kernel_label()} kernels ({', '.join(native.SUPPORTED_TYPES.values())})"
+            f"{native.kernel_label()} kernels ({', '.join(native.SUPPORTED_TYPES.values())}) "
+            f"on {native.threads_label()}"
         )
     else:
         table.caption = (

@@ -225,9 +225,10 @@ def _load_path(
             from speculant.native import autotune
 
             tuned = autotune.apply_saved()  # this CPU's `speculant tune` result, if any
-            kernels = f", native {native.kernel_label()} kernels"
+            notes = [f"{native.THREADS} thread{'s' if native.THREADS != 1 else ''}"]
             if tuned:
-                kernels += f" (tuned: {autotune.describe(tuned)})"
+                notes.append(f"tuned: {autotune.describe(tuned)}")
+            kernels = f", native {native.kernel_label()} kernels ({'; '.join(notes)})"
         else:
             dtype, quant = QUANTIZED["int8"], "int8"
             if progress:

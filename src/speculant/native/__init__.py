@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from speculant.native.cpus import default_threads
+
 # GGML type ids the kernels execute.
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
 SUPPORTED_TYPES = {
@@ -51,7 +53,9 @@ _PATH_NAMES = {v: k for k, v in PATHS.items() if v}
 # the CPU features (bits of spec_features) each path needs
 _PATH_FEATURES = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 4}
 MAX_PARTS = 8
-THREADS = int(os.environ.get("SPECULANT_THREADS", "0")) or (os.cpu_count() or 1)
+# The kernels' threads: one per physical core this process may use, within its CPU
+# quota, or $SPECULANT_THREADS (cpus.py); `use_threads` (a command's --threads) sets it.
+THREADS, THREADS_WHY = default_threads()
 
 _lib: Any = None
 _missing: str | None = None
@@ -574,19 +578,37 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return y
 
 
+def use_threads(threads: int | None) -> None:
+    """A command's --threads: the native kernels' threads and PyTorch's (None: leave
+    both as they are). Call it before loading models, so that repacking uses them too,
+    and `share_cores_if_native` after."""
+    global THREADS, THREADS_WHY
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads={threads} is out of range: use >= 1")
+    THREADS, THREADS_WHY = threads, "--threads"
+    torch.set_num_threads(threads)
+
+
+def threads_label() -> str:
+    """'2 threads (2 physical cores)': the kernels' threads and where the count came from."""
+    return f"{THREADS} thread{'s' if THREADS != 1 else ''} ({THREADS_WHY})"
+
+
 def share_cores_with_torch() -> None:
     """Give the cores to the native kernels: PyTorch's remaining per-token work (norms,
     attention over short contexts) runs on one thread. With several torch threads, their
     spinning OpenMP workers and the kernels' threads take turns on the same cores: on a
     2-core machine the 0.5B model decoded at ~9 tok/s that way and ~16-25 tok/s this way.
-    Called by the CLIs when a gguf model is used and --threads is not given."""
+    Called by the CLIs when a gguf model is used (after `use_threads`)."""
     if available():
         torch.set_num_threads(1)
 
 
 def share_cores_if_native(*models: Any) -> None:
     """`share_cores_with_torch` when any of the loaded models (None skipped) runs GGUF
-    weights natively; the command lines call it when --threads is not given."""
+    weights natively; the command lines call it once their models are loaded."""
     if any(m is not None and m.dtype_name == "gguf" for m in models):
         share_cores_with_torch()
 

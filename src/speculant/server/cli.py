@@ -149,7 +149,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="model id in the API (default --model)"
     )
     add_dtype_args(p)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="threads for the kernels (default: one per physical core this process may "
+        "use, within its CPU quota, or $SPECULANT_THREADS); beside the native kernels "
+        "PyTorch keeps one",
+    )
     p.add_argument(
         "--stream-cadence-ms",
         type=float,
@@ -198,15 +205,13 @@ def apply_speculative_config(args: argparse.Namespace) -> None:
 
 def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     """(app, AsyncEngine) from parsed flags: the models are loaded here."""
-    import torch
-
+    from speculant import native
     from speculant.engine import Engine
     from speculant.models.model import load_model
     from speculant.server.app import create_app
     from speculant.server.async_engine import AsyncEngine
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    native.use_threads(args.threads)
     if args.speculative_config is not None:
         apply_speculative_config(args)
     method = args.speculative_method or ("draft" if args.speculative_model else "none")
@@ -224,10 +229,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
             auto_fallback="int8",
             kv_dtype=kv,
         )
-    if args.threads is None:
-        from speculant import native
-
-        native.share_cores_if_native(target, draft)
+    native.share_cores_if_native(target, draft)
     engine = Engine(
         target,
         draft=draft,
