@@ -109,6 +109,16 @@ def test_outputs_json_csv_plots(result: BenchResult, tmp_path: Path) -> None:
     render_table(result)  # renders without error
     md = (tmp_path / "results.md").read_text()
     assert md.count("\n| ") == len(result.rows) + 1 and "| speedup |" in md
+    from speculant import native
+    from speculant.bench.measure import threads_text
+
+    machine = meta["machine"]  # the threads of both kinds of kernels, when the native ran
+    assert machine["kernel_threads"] == (native.THREADS if native.available() else None)
+    assert f"{threads_text(machine)}." in md
+    assert threads_text({"torch_threads": 1, "kernel_threads": 2}) == (
+        "native kernels 2 threads, PyTorch 1 thread"
+    )
+    assert threads_text({"torch_threads": 4}) == "PyTorch 4 threads"  # an older report
 
 
 def test_unseeded_sampled_runs_skip_the_identity_check(pair: tuple[Model, Model]) -> None:

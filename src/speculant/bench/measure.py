@@ -322,6 +322,15 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def threads_text(machine: dict[str, Any]) -> str:
+    """How many threads a report ran: the native kernels' (when they ran) and PyTorch's."""
+    from speculant.native import n_threads
+
+    kernels = machine.get("kernel_threads")
+    torch_part = f"PyTorch {n_threads(machine['torch_threads'])}"
+    return torch_part if kernels is None else f"native kernels {n_threads(kernels)}, {torch_part}"
+
+
 def model_info(m: Any) -> dict[str, Any] | None:
     """A loaded model as reports name it (None for no model)."""
     if m is None:

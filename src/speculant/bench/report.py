@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from speculant.bench.measure import threads_text
 from speculant.bench.rows import ALL, BenchResult
 from speculant.bench.specs import BASELINE
 
@@ -98,7 +99,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         f"Command: `{meta.get('command') or 'run_bench(...)'}`  ",
         f"Machine: {meta['machine']['cpu']}, torch {meta['machine']['torch']}, "
-        f"{meta['machine']['torch_threads']} threads. Energy: {meta['energy_source']}.",
+        f"{threads_text(meta['machine'])}. Energy: {meta['energy_source']}.",
         "",
         "| workload | method | tok/s (min-max) | speedup | decode | theory | same | accept "
         "| tok/step | TTFT s | mem MB | J/tok" + ("" if measured else "*") + " |",

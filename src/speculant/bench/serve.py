@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculant.bench.measure import machine_info, model_info, now_utc, percentile
+from speculant.bench.measure import machine_info, model_info, now_utc, percentile, threads_text
 from speculant.bench.specs import BASELINE, MethodSpec, parse_methods
 from speculant.bench.workloads import load_workload
 from speculant.engine import Engine
@@ -862,7 +862,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"Target {meta['target']['name']}{draft}; {meta['max_tokens']} new tokens per "
         f"request; workload `{meta['workload']}`.  ",
         f"Machine: {meta['machine']['cpu']}, torch {meta['machine']['torch']}, "
-        f"{meta['machine']['torch_threads']} threads.",
+        f"{threads_text(meta['machine'])}.",
         "",
         _lossless_line(data),
     ]

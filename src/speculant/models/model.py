@@ -225,7 +225,7 @@ def _load_path(
             from speculant.native import autotune
 
             tuned = autotune.apply_saved()  # this CPU's `speculant tune` result, if any
-            notes = [f"{native.THREADS} thread{'s' if native.THREADS != 1 else ''}"]
+            notes = [native.n_threads(native.THREADS)]
             if tuned:
                 notes.append(f"tuned: {autotune.describe(tuned)}")
             kernels = f", native {native.kernel_label()} kernels ({'; '.join(notes)})"

@@ -591,9 +591,14 @@ def use_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
+def n_threads(n: int) -> str:
+    """'1 thread', '2 threads'."""
+    return f"{n} thread{'s' if n != 1 else ''}"
+
+
 def threads_label() -> str:
     """'2 threads (2 physical cores)': the kernels' threads and where the count came from."""
-    return f"{THREADS} thread{'s' if THREADS != 1 else ''} ({THREADS_WHY})"
+    return f"{n_threads(THREADS)} ({THREADS_WHY})"
 
 
 def share_cores_with_torch() -> None:
