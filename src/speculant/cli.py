@@ -187,9 +187,10 @@ def _methods() -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from speculant import Engine, SamplingParams, load_model, native
 
-    if args.threads is not None and args.threads < 1:
-        raise CliError(f"--threads={args.threads} is out of range: use >= 1")
-    native.use_threads(args.threads)
+    try:
+        native.use_threads(args.threads)
+    except ValueError as err:  # --threads out of range
+        raise CliError(str(err)) from None
     if args.method is None:
         args.method = "draft" if args.draft is not None else DEFAULT_METHOD
     if args.draft is None:
