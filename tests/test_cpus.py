@@ -1,6 +1,6 @@
-"""The native kernels' default thread count (speculant.native.cpus): physical cores among
-the CPUs this process may use, capped by its control group's CPU quota. Fake sysfs and
-cgroup trees, so every case runs on any machine."""
+"""The native kernels' default thread count (speculant.native.cpus): the CPUs this process
+may use, capped by its control group's CPU quota; and the physical cores among them, which
+`speculant tune` tries. Fake sysfs and cgroup trees, so every case runs on any machine."""
 
 from __future__ import annotations
 
@@ -67,24 +67,25 @@ def test_cgroup_quotas(tmp_path: Path) -> None:
 
 
 def test_default_threads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    sysfs = _topology(tmp_path / "sys", {c: f"{c % 4},{c % 4 + 4}" for c in range(8)})
     root = tmp_path / "cg"
     _write(root / "cpu.max", "max 100000")
 
     def count(env: dict[str, str], cpu_ids: list[int], cgroup: str = "0::/\n") -> tuple[int, str]:
-        return cpus.default_threads(env, cpu_ids, sysfs, root, cgroup)
+        return cpus.default_threads(env, cpu_ids, tmp_path / "sys", root, cgroup)
 
-    assert count({}, list(range(8))) == (4, "4 physical cores of 8 CPUs")
-    assert count({}, [0, 1]) == (2, "2 physical cores")  # an affinity mask (taskset)
-    assert count({}, [2]) == (1, "1 physical core")
+    # every usable CPU, hardware threads of one core included (speculant tune measures
+    # one a core where they differ)
+    assert count({}, list(range(8))) == (8, "8 usable CPUs")
+    assert count({}, [0, 1]) == (2, "2 usable CPUs")  # an affinity mask (taskset)
+    assert count({}, [2]) == (1, "1 usable CPU")
     _write(root / "box" / "cpu.max", "250000 100000")  # docker --cpus=2.5
-    quota = (2, "4 physical cores of 8 CPUs, CPU quota 2.5")
-    assert count({}, list(range(8)), "0::/box\n") == quota
+    assert count({}, list(range(8)), "0::/box\n") == (2, "8 usable CPUs, CPU quota 2.5")
+    assert count({}, [0], "0::/box\n") == (1, "1 usable CPU")  # the quota is no limit here
     _write(root / "tiny" / "cpu.max", "50000 100000")
     assert count({}, list(range(8)), "0::/tiny\n")[0] == 1  # at least one
     assert count({"SPECULANT_THREADS": "3"}, [0]) == (3, "SPECULANT_THREADS")
     for bad in ("0", "-2", "two"):
-        assert count({"SPECULANT_THREADS": bad}, [0, 1]) == (2, "2 physical cores")
+        assert count({"SPECULANT_THREADS": bad}, [0, 1]) == (2, "2 usable CPUs")
         err = capsys.readouterr().err
         assert f"SPECULANT_THREADS={bad!r} is not a thread count: use a positive integer" in err
 

@@ -69,6 +69,37 @@ def test_only_clear_wins_are_kept(autotune, monkeypatch: pytest.MonkeyPatch) -> 
         autotune.run_tune(_Model(), rounds=2)
 
 
+def test_threads_are_tuned_where_cores_have_hardware_threads(  # type: ignore[no-untyped-def]
+    autotune, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where a core's hardware threads make one thread per core fewer than one per CPU,
+    both counts are measured first; a kept count is saved, restored after the run, and
+    applied by load_model unless --threads or SPECULANT_THREADS chose one."""
+    monkeypatch.setattr(native, "THREADS", 4)
+    monkeypatch.setattr(native, "THREADS_WHY", "4 usable CPUs")
+    monkeypatch.setattr(autotune, "thread_candidates", lambda: (4, 2))
+    costs = {("threads", 2): -0.10}
+    monkeypatch.setattr(autotune, "measure", _fake_measure(costs))
+    result = autotune.run_tune(_Model(), rounds=3, widths=(1, 4))
+    assert result["trials"][0]["knob"] == "threads" and result["knobs"]["threads"] == 2
+    assert result["builtin"]["threads"] == 4 and native.THREADS == 4  # restored
+    autotune.save(result)
+    assert autotune.apply_saved()["threads"] == 2
+    assert (native.THREADS, native.threads_label()) == (2, "2 threads (speculant tune)")
+    for chosen in ("--threads", "SPECULANT_THREADS"):  # the user's count stays
+        monkeypatch.setattr(autotune, "_applied", None)
+        monkeypatch.setattr(native, "THREADS", 4)
+        monkeypatch.setattr(native, "THREADS_WHY", chosen)
+        assert "threads" not in autotune.apply_saved() and native.THREADS == 4
+    # one thread a core losing: nothing kept; no second count: not measured at all
+    monkeypatch.setattr(autotune, "measure", _fake_measure({("threads", 2): 0.10}))
+    assert "threads" not in autotune.run_tune(_Model(), rounds=3, widths=(1, 4))["knobs"]
+    monkeypatch.setattr(autotune, "thread_candidates", lambda: ())
+    result = autotune.run_tune(_Model(), rounds=3, widths=(1, 4))
+    assert all(t["knob"] != "threads" for t in result["trials"])
+    assert "threads" not in result["builtin"]
+
+
 def test_saved_tuning_applies_once_and_only_on_this_cpu(autotune, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path = autotune.tuning_path()
     default = native.tuning()["span_cols"]

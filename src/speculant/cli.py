@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=None,
-        help="threads for the kernels (default: one per physical core this process may "
+        help="threads for the kernels (default: one per CPU this process may "
         "use, within its CPU quota, or $SPECULANT_THREADS); beside the native kernels "
         "PyTorch keeps one",
     )

@@ -20,7 +20,9 @@ examples:
 Every knob is bitwise neutral: tuning changes speed, never a token. Whole passes of the
 model over 1, 4 and 8 tokens take turns (one-token decode steps weigh half); a knob's
 alternative is kept only if it costs at least 2% less and wins two thirds of the rounds.
-The file is tied to this CPU and code path; SPECULANT_TUNING=0 ignores it.
+Where a core's hardware threads make one thread per core fewer than one per CPU, the
+thread count is measured first (never over --threads or SPECULANT_THREADS). The file is
+tied to this CPU, its usable CPUs and the code path; SPECULANT_TUNING=0 ignores it.
 """
 
 

@@ -292,7 +292,7 @@ def add_pass_cost_args(p: argparse.ArgumentParser) -> None:
         metavar="T,...",
         help="kernel thread counts taking turns, e.g. 2,1: the native kernels' threads for "
         "GGUF weights, PyTorch's for the others (default: --threads, else $SPECULANT_THREADS, "
-        "else one per physical core); llama-bench runs at each",
+        "else one per usable CPU); llama-bench runs at each",
     )
     g.add_argument(
         "--kernel-paths",
@@ -391,7 +391,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--threads",
         type=positive_int,
         default=None,
-        help="threads for the kernels and the peers (default: one per physical core this "
+        help="threads for the kernels and the peers (default: one per CPU this "
         "process may use, within its CPU quota, or $SPECULANT_THREADS); beside the native "
         "kernels PyTorch keeps one",
     )

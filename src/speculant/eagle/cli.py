@@ -152,7 +152,7 @@ def _add_train_args(eagle: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="threads for training and the target's kernels (default: PyTorch's, and one "
-        "per physical core for the native kernels)",
+        "per usable CPU for the native kernels)",
     )
     eagle.add_argument(
         "--trust-unverified",

@@ -53,7 +53,7 @@ _PATH_NAMES = {v: k for k, v in PATHS.items() if v}
 # the CPU features (bits of spec_features) each path needs
 _PATH_FEATURES = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 4}
 MAX_PARTS = 8
-# The kernels' threads: one per physical core this process may use, within its CPU
+# The kernels' threads: one per CPU this process may use, within its CPU
 # quota, or $SPECULANT_THREADS (cpus.py); `use_threads` (a command's --threads) sets it.
 THREADS, THREADS_WHY = default_threads()
 
@@ -597,7 +597,7 @@ def n_threads(n: int) -> str:
 
 
 def threads_label() -> str:
-    """'2 threads (2 physical cores)': the kernels' threads and where the count came from."""
+    """'2 threads (2 usable CPUs)': the kernels' threads and where the count came from."""
     return f"{n_threads(THREADS)} ({THREADS_WHY})"
 
 

@@ -4,12 +4,16 @@ settings that win.
 Every knob is bitwise neutral (tests/test_native.py runs each at several values against
 the default), so a tuned setting can only change speed. Their built-in defaults were
 measured on the CPUs the project ran on (some only on Intel's, some only on AMD's); this
-measures them where the engine actually runs. Whole passes of a model take turns within
-every round, a knob's alternative against the best setting so far, and the alternative
-is kept only if it wins clearly: a weighted pass cost at least MARGIN lower and at least
-two thirds of the rounds won. The result goes to `tuning_path()` (under the model cache,
-keyed by this CPU), and `load_model` applies it to the native kernels from then on;
-`SPECULANT_TUNING=0` ignores the file, `speculant tune --reset` removes it.
+measures them where the engine actually runs, and with them the thread count where a
+core's hardware threads make "one per CPU" and "one per core" differ (a question no
+project machine could settle; the threads split the columns, so the count changes no
+bit either). A tuned count never overrides `--threads` or `SPECULANT_THREADS`. Whole
+passes of a model take turns within every round, a knob's alternative against the best
+setting so far, and the alternative is kept only if it wins clearly: a weighted pass
+cost at least MARGIN lower and at least two thirds of the rounds won. The result goes to
+`tuning_path()` (under the model cache, keyed by this CPU), and `load_model` applies it
+to the native kernels from then on; `SPECULANT_TUNING=0` ignores the file, `speculant
+tune --reset` removes it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from speculant import native
+from speculant.native import cpus
 
 VERSION = 1
 FILE_NAME = "kernel-tuning.json"
@@ -38,6 +43,10 @@ CANDIDATES: tuple[tuple[str, tuple[int, ...]], ...] = (
     ("span_blocks", (0, 4)),
     ("attention_512", (0, 1)),
 )
+# The kernels' thread count is tried first (the knobs are then measured at the count
+# kept): every usable CPU (the default) against one thread per physical core, where a
+# core's hardware threads make that fewer. It is native.THREADS, not a kernels' knob.
+THREADS_KNOB = "threads"
 _CPU_FLAGS: tuple[str, ...] = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl")
 _CPU_FLAGS += ("avx512dq", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_tile")
 _builtin: dict[str, int] | None = None  # the knobs before any saved tuning was applied
@@ -73,6 +82,7 @@ def cpu_signature() -> dict[str, Any]:
         "vendor": info.get("vendor_id", ""),
         "flags": [f for f in _CPU_FLAGS if f in flags],
         "cpus": os.cpu_count() or 1,
+        "usable_cpus": len(cpus.usable_cpus()),
         "path": native.kernel_label(),
     }
 
@@ -95,9 +105,21 @@ def _applies(knob: str, best: dict[str, int], path: str) -> bool:
     return True
 
 
+def thread_candidates() -> tuple[int, ...]:
+    """The thread counts to measure: the default (the usable CPUs within the CPU quota)
+    and the physical cores among those CPUs, when fewer; none when SPECULANT_THREADS
+    chose the count or the CPUs are one a core."""
+    n, why = cpus.default_threads()
+    cores = min(n, cpus.physical_cores(cpus.usable_cpus()))
+    return (n, cores) if why != "SPECULANT_THREADS" and cores < n else ()
+
+
 def _set(knobs: dict[str, int]) -> None:
     for knob, value in knobs.items():
-        native.tune(knob, value)
+        if knob == THREADS_KNOB:
+            native.THREADS = value
+        else:
+            native.tune(knob, value)
 
 
 PROMPT = "def quicksort(items):\n    "  # repeated to the context's length
@@ -166,8 +188,9 @@ def run_tune(
     context: int = 256,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Tune the knobs of CANDIDATES one after another from the built-in defaults; returns
-    the result to save (`knobs`: those that differ from the defaults) with every trial."""
+    """Tune the thread count (where `thread_candidates` offers two) and the knobs of
+    CANDIDATES one after another from the built-in defaults; returns the result to save
+    (`knobs`: those that differ from the defaults) with every trial."""
     if rounds < 3:
         raise ValueError(f"rounds={rounds}: at least 3 are needed to judge a knob")
     if not widths or min(widths) < 1:
@@ -175,15 +198,23 @@ def run_tune(
     if context < 1:
         raise ValueError(f"context={context}: at least 1 token")
     builtin = builtin_knobs()
+    start_threads = native.THREADS
+    counts = thread_candidates()
+    candidates: tuple[tuple[str, tuple[int, ...]], ...] = (
+        ((THREADS_KNOB, counts),) if counts else ()
+    )
+    if counts:
+        builtin[THREADS_KNOB] = counts[0]
     path = native.kernel_label()
     # decode steps weigh half, verify passes the rest (the default drafts up to 7 tokens)
     share = 0.5 / max(1, len([w for w in widths if w > 1]))
     weights = {w: (0.5 if w == 1 else share) for w in widths}
     state: dict[str, Any] = {}  # the prefilled context, shared by every comparison
-    best = {knob: builtin[knob] for knob, _ in CANDIDATES}
+    candidates += CANDIDATES
+    best = {knob: builtin[knob] for knob, _ in candidates}
     trials: list[dict[str, Any]] = []
     try:
-        for knob, values in CANDIDATES:
+        for knob, values in candidates:
             if not _applies(knob, best, path):
                 continue
             start = best[knob]  # each other value is tried once, against the best so far
@@ -205,11 +236,12 @@ def run_tune(
                     best = alt
     finally:
         _set({knob: builtin[knob] for knob, _ in CANDIDATES})
+        native.THREADS = start_threads
     return {
         "version": VERSION,
         "cpu": cpu_signature(),
         "knobs": {k: v for k, v in best.items() if v != builtin[k]},
-        "builtin": {k: builtin[k] for k, _ in CANDIDATES},
+        "builtin": {k: builtin[k] for k, _ in candidates},
         "trials": trials,
         "model": model.name,
         "widths": list(widths),
@@ -242,7 +274,8 @@ def load_saved(path: Path | None = None) -> tuple[dict[str, int] | None, str]:
         ok = data.get("version") == VERSION and isinstance(knobs, dict)
     except (OSError, ValueError, KeyError, TypeError):
         return None, f"{path} is not a tuning file"
-    if not ok or not all(k in native.TUNING_KNOBS and isinstance(v, int) for k, v in knobs.items()):
+    known = (*native.TUNING_KNOBS, THREADS_KNOB)
+    if not ok or not all(k in known and isinstance(v, int) and v >= 0 for k, v in knobs.items()):
         return None, f"{path} is not a tuning file of version {VERSION}"
     if data.get("cpu") != cpu_signature():
         return None, f"{path} was measured on another CPU or code path"
@@ -258,6 +291,14 @@ def apply_saved(path: Path | None = None) -> dict[str, int]:
     knobs, _ = load_saved(path)
     _applied = {}
     for knob, value in (knobs or {}).items():
+        if knob == THREADS_KNOB:
+            # never over a count the user chose, nor past the default (the usable CPUs)
+            if native.THREADS_WHY in ("--threads", "SPECULANT_THREADS"):
+                continue
+            if 1 <= value < native.THREADS:
+                native.THREADS, native.THREADS_WHY = value, "speculant tune"
+                _applied[knob] = value
+            continue
         try:
             native.tune(knob, value)
         except ValueError:

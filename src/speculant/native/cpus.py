@@ -1,23 +1,24 @@
 """How many threads the native kernels use when none are asked for.
 
-One thread per physical core this process may run on, within its CPU quota:
+One thread per CPU this process may run on, within its CPU quota:
 
 - **the CPUs it may run on** (`os.sched_getaffinity`): a `taskset`, a container's
   cpuset or a batch scheduler often leaves fewer than the machine has, and
   `os.cpu_count()` counts them all;
-- **one per physical core**: the hardware threads of one core (SMT, Hyper-Threading) are
-  counted once, from Linux's topology files. The kernels stream weights from memory and
-  fill the core's vector units; a core's second hardware thread adds no bandwidth and
-  shares those units. PyTorch's and llama.cpp's defaults count physical cores too;
 - **the CPU quota** of its control group (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`;
   `docker --cpus`, Kubernetes CPU limits): at most the quota's whole CPUs (at least 1).
   More threads than that are throttled in turn, and a pass waits for its slowest thread.
 
-More threads than usable cores take turns on them, and every pass waits for the last.
+More threads than usable CPUs take turns on them, and every pass waits for the last.
 On a 2-core Xeon (Emerald Rapids kind), one-row passes of the 1.5B with thread counts
 taking turns in one process: limited to one CPU (`taskset -c 0`), 2 threads took 1.01x
 and 4 threads 1.05x the time of 1; on both CPUs, 4 threads 1.03x, 8 threads 1.09x and 16
 threads 1.21x the time of 2.
+
+A core's hardware threads (SMT, Hyper-Threading) each count: whether one thread per
+physical core is faster (as PyTorch and llama.cpp assume) was not measured on the
+project's machines, and a virtual machine's CPUs may be listed as siblings of one core
+when they are not. `speculant tune` measures it where they differ (`physical_cores`).
 
 `SPECULANT_THREADS` (a positive integer) overrides the count; a command's `--threads`
 overrides both.
@@ -154,9 +155,9 @@ def default_threads(
     cgroup_root: Path = CGROUP_ROOT,
     self_cgroup: str | None = None,
 ) -> tuple[int, str]:
-    """(threads, why): SPECULANT_THREADS if set, else the physical cores among the CPUs
-    this process may use, capped by its CPU quota's whole CPUs. A malformed
-    SPECULANT_THREADS is reported on stderr and the count is worked out as if unset."""
+    """(threads, why): SPECULANT_THREADS if set, else the CPUs this process may use,
+    capped by its CPU quota's whole CPUs. A malformed SPECULANT_THREADS is reported on
+    stderr and the count is worked out as if unset."""
     env = os.environ if environ is None else environ
     text = env.get("SPECULANT_THREADS", "").strip()
     if text:
@@ -165,12 +166,10 @@ def default_threads(
         except ValueError as err:
             print(f"speculant: {err}; ignored", file=sys.stderr)
     usable = list(usable_cpus() if cpus is None else cpus)
-    cores = physical_cores(usable, sysfs)
-    why = f"{cores} physical core{'s' if cores != 1 else ''}"
-    if cores < len(usable):
-        why += f" of {len(usable)} CPUs"
+    n = max(1, len(usable))
+    why = f"{n} usable CPU{'s' if n != 1 else ''}"
     quota = cpu_quota(cgroup_root, self_cgroup)
-    if quota is not None and math.floor(quota) < cores:
-        cores = max(1, math.floor(quota))
+    if quota is not None and math.floor(quota) < n:
+        n = max(1, math.floor(quota))
         why += f", CPU quota {quota:g}"
-    return cores, why
+    return n, why

@@ -153,7 +153,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--threads",
         type=positive_int,
         default=None,
-        help="threads for the kernels (default: one per physical core this process may "
+        help="threads for the kernels (default: one per CPU this process may "
         "use, within its CPU quota, or $SPECULANT_THREADS); beside the native kernels "
         "PyTorch keeps one",
     )
