@@ -71,7 +71,7 @@ def test_default_threads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     _write(root / "cpu.max", "max 100000")
 
     def count(env: dict[str, str], cpu_ids: list[int], cgroup: str = "0::/\n") -> tuple[int, str]:
-        return cpus.default_threads(env, cpu_ids, tmp_path / "sys", root, cgroup)
+        return cpus.default_threads(env, cpu_ids, root, cgroup)
 
     # every usable CPU, hardware threads of one core included (speculant tune measures
     # one a core where they differ)

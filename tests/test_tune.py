@@ -91,6 +91,9 @@ def test_threads_are_tuned_where_cores_have_hardware_threads(  # type: ignore[no
         monkeypatch.setattr(native, "THREADS", 4)
         monkeypatch.setattr(native, "THREADS_WHY", chosen)
         assert "threads" not in autotune.apply_saved() and native.THREADS == 4
+    data = json.loads(autotune.tuning_path().read_text())
+    autotune.save(dict(data, knobs={"threads": 0}))  # not a thread count: the file is refused
+    assert autotune.load_saved()[0] is None
     # one thread a core losing: nothing kept; no second count: not measured at all
     monkeypatch.setattr(autotune, "measure", _fake_measure({("threads", 2): 0.10}))
     assert "threads" not in autotune.run_tune(_Model(), rounds=3, widths=(1, 4))["knobs"]

@@ -274,8 +274,13 @@ def load_saved(path: Path | None = None) -> tuple[dict[str, int] | None, str]:
         ok = data.get("version") == VERSION and isinstance(knobs, dict)
     except (OSError, ValueError, KeyError, TypeError):
         return None, f"{path} is not a tuning file"
-    known = (*native.TUNING_KNOBS, THREADS_KNOB)
-    if not ok or not all(k in known and isinstance(v, int) and v >= 0 for k, v in knobs.items()):
+
+    def valid(k: str, v: Any) -> bool:
+        if k == THREADS_KNOB:
+            return isinstance(v, int) and v >= 1
+        return k in native.TUNING_KNOBS and isinstance(v, int)
+
+    if not ok or not all(valid(k, v) for k, v in knobs.items()):
         return None, f"{path} is not a tuning file of version {VERSION}"
     if data.get("cpu") != cpu_signature():
         return None, f"{path} was measured on another CPU or code path"

@@ -151,7 +151,6 @@ def parse_threads(text: str, source: str) -> int:
 def default_threads(
     environ: Mapping[str, str] | None = None,
     cpus: Iterable[int] | None = None,
-    sysfs: Path = SYSFS_CPU,
     cgroup_root: Path = CGROUP_ROOT,
     self_cgroup: str | None = None,
 ) -> tuple[int, str]:
