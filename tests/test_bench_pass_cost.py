@@ -113,11 +113,12 @@ def test_pass_cost_context_longer_than_the_prompt_once(
     """--pass-context past what 64 copies of the prompt give: the prompt repeats further
     (it once stopped there: 384 tokens on the Qwen2.5 tokenizer)."""
     from speculant.bench import pass_cost
+    from speculant.native import autotune
 
-    monkeypatch.setattr(pass_cost, "PROMPT", "x ")
+    monkeypatch.setattr(autotune, "PROMPT", "x ")
     target, _ = pair
     assert target.tokenizer is not None
-    context = len(target.tokenizer.encode(pass_cost.PROMPT * 64)) + 5
+    context = len(target.tokenizer.encode(autotune.PROMPT * 64)) + 5
     assert context < 200  # within the tiny model's positions
     cfg = pass_cost.PassCostConfig(widths=[1], context=context, new=2, reps=1, llama_cpp=False)
     rows = pass_cost.measure_models([target], "target", cfg, say=lambda _: None)

@@ -60,6 +60,8 @@ def test_cgroup_quotas(tmp_path: Path) -> None:
     text = "12:memory:/docker/c1\n4:cpu,cpuacct:/docker/c1\n"
     assert cpus.cpu_quota(v1, text) == 2.0
     assert cpus.cpu_quota(v1, "4:cpu,cpuacct:/\n") is None
+    _write(root / "odd" / "cpu.max", "150000")  # not two numbers: no limit read
+    assert cpus.cpu_quota(root, "0::/odd\n") is None
     # nothing readable: no limit; no /proc/self/cgroup text: the mount points
     assert cpus.cpu_quota(tmp_path / "none", "0::/x\n") is None
     _write(tmp_path / "flat" / "cpu.max", "300000 100000")

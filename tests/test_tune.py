@@ -70,7 +70,7 @@ def test_only_clear_wins_are_kept(autotune, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_threads_are_tuned_where_cores_have_hardware_threads(  # type: ignore[no-untyped-def]
-    autotune, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    autotune, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where a core's hardware threads make one thread per core fewer than one per CPU,
     both counts are measured first; a kept count is saved, restored after the run, and

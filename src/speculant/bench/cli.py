@@ -470,7 +470,6 @@ def _load_targets(
 ) -> tuple[list[Any], Any]:
     """_load_models with the target in each of `dtypes` (a dtype that resolves to a format
     already loaded, as auto may, is left out)."""
-
     from speculant import native
     from speculant.models.model import load_model
 

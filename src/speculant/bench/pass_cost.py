@@ -36,8 +36,7 @@ import torch
 from speculant import native
 from speculant.bench.peers import LLAMA_CLI_HINT, llama_cli_binary
 from speculant.models.model import Model
-
-PROMPT = "def quicksort(items):\n    "
+from speculant.native.autotune import prompt_ids
 
 
 @dataclass
@@ -143,9 +142,8 @@ def measure_models(
                 f"decoded tokens = {need} positions: {model.name} has "
                 f"{model.config.max_seq_len}"
             )
-        tok = model.tokenizer
-        assert tok is not None
-        ids = tok.encode(PROMPT * max(64, cfg.context))[: cfg.context]  # >= 1 token each
+        assert model.tokenizer is not None
+        ids = prompt_ids(model, cfg.context)
         if len(ids) < cfg.context:
             raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")
         for kv in dict.fromkeys(v[3] for v in variants if v[0] == i):

@@ -125,7 +125,9 @@ def _set(knobs: dict[str, int]) -> None:
 PROMPT = "def quicksort(items):\n    "  # repeated to the context's length
 
 
-def _prompt_ids(model: Any, n: int) -> list[int]:
+def prompt_ids(model: Any, n: int) -> list[int]:
+    """The first n tokens of PROMPT repeated (>= 1 token a copy), the context every timed
+    pass follows (here and in `speculant bench --pass-cost`)."""
     ids: list[int] = model.tokenizer.encode(PROMPT * max(64, n))[:n]
     return ids
 
@@ -144,7 +146,7 @@ def measure(
     call to the next (every pass rewrites the same rows past the context)."""
     state = {} if state is None else state
     if "cache" not in state:
-        state["ids"] = _prompt_ids(model, context + max(widths))
+        state["ids"] = prompt_ids(model, context + max(widths))
         state["cache"] = model.new_cache(context + max(widths) + 8)
         model.prefill(state["ids"][:context], state["cache"])
     ids, cache = state["ids"], state["cache"]

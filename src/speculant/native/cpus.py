@@ -72,16 +72,11 @@ def physical_cores(cpus: Iterable[int], sysfs: Path = SYSFS_CPU) -> int:
     return max(1, len(cores))
 
 
-def _quota_v2(text: str) -> float | None:
-    """cpu.max: 'max 100000' (no limit) or 'QUOTA PERIOD' in microseconds."""
-    fields = text.split()
-    if len(fields) != 2 or fields[0] == "max":
+def _quota(quota_text: str, period_text: str) -> float | None:
+    """CPUs a quota of quota_text microseconds per period_text allows (None: no limit,
+    written 'max' in v2 and -1 in v1)."""
+    if quota_text == "max":
         return None
-    quota, period = int(fields[0]), int(fields[1])
-    return quota / period if quota > 0 and period > 0 else None
-
-
-def _quota_v1(quota_text: str, period_text: str) -> float | None:
     quota, period = int(quota_text), int(period_text)
     return quota / period if quota > 0 and period > 0 else None
 
@@ -123,14 +118,14 @@ def cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: str | None = None) -> float
     limits: list[float] = []
     for version, folder in _cgroup_dirs(root, self_cgroup):
         try:
-            if version == "v2":
-                limit = _quota_v2((folder / "cpu.max").read_text())
+            if version == "v2":  # cpu.max: "QUOTA PERIOD" or "max PERIOD"
+                limit = _quota(*(folder / "cpu.max").read_text().split())
             else:
-                limit = _quota_v1(
+                limit = _quota(
                     (folder / "cpu.cfs_quota_us").read_text(),
                     (folder / "cpu.cfs_period_us").read_text(),
                 )
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):  # unreadable, or not two numbers
             continue
         if limit is not None:
             limits.append(limit)
