@@ -9,13 +9,35 @@ from torch import Tensor
 from speculant.cache import KEY_BLOCK
 
 
-def rope_tables(head_dim: int, theta: float, n_pos: int, scaling: float = 1.0) -> Tensor:
-    """cos/sin per position: [2, n_pos, head_dim] float32 (rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_tables(
+    head_dim: int,
+    theta: float,
+    n_pos: int,
+    scaling: float = 1.0,
+    inv_freq: tuple[float, ...] = (),
+    attn_factor: float = 1.0,
+) -> Tensor:
+    """cos/sin per position: [2, n_pos, head_dim] float32 (rotate-half layout).
+
+    `inv_freq` [head_dim / 2], where given, replaces theta's frequencies (a scaling rule's);
+    `attn_factor` multiplies cos and sin (YaRN's attention factor)."""
+    if inv_freq:
+        freq = torch.tensor(inv_freq, dtype=torch.float32)
+    else:
+        exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        freq = 1.0 / (theta**exps)
     pos = torch.arange(n_pos, dtype=torch.float32) / scaling
-    freqs = torch.outer(pos, inv_freq)  # [n_pos, head_dim / 2]
+    freqs = torch.outer(pos, freq)  # [n_pos, head_dim / 2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return torch.stack([emb.cos(), emb.sin()])
+    cos, sin = emb.cos(), emb.sin()
+    if attn_factor != 1.0:
+        cos, sin = cos * attn_factor, sin * attn_factor
+    return torch.stack([cos, sin])
+
+
+def identity_rope(rows: int, head_dim: int, dtype: torch.dtype) -> Tensor:
+    """cos = 1, sin = 0 for a layer without a rotary embedding: [2, rows, head_dim]."""
+    return torch.stack([torch.ones(rows, head_dim), torch.zeros(rows, head_dim)]).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

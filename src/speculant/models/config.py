@@ -1,21 +1,23 @@
-"""Architecture description shared by the loaders and the decoder."""
+"""The decoder's view of a model: its shapes and the few ways its layers differ.
+
+Each architecture's description (speculant.models.archs) reads its own config keys and
+fills these fields; the decoder reads only the fields, never the architecture's name.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "qwen2", "gemma3")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One decoder-only transformer of the Llama / Qwen2 / Gemma 3 family.
+    """One decoder-only transformer of the Llama family and its variations.
 
     Norm weights are stored as the effective multiplier: Gemma's (1 + w) is folded in
     at load time, so the decoder has one RMSNorm for every family.
     """
 
-    arch: str
+    arch: str  # the name of its description in speculant.models.archs
     vocab_size: int
     dim: int
     n_layers: int
@@ -27,22 +29,28 @@ class ModelConfig:
     rope_theta: float
     max_seq_len: int
     tie_embeddings: bool = True
-    qkv_bias: bool = False  # qwen2
-    # gemma3 only
-    qk_norm: bool = False
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding
     sandwich_norm: bool = False  # post-attention and pre/post feed-forward norms
-    embed_scale: float = 1.0
+    embed_scale: float = 1.0  # multiplies the embedding rows
+    residual_scale: float = 1.0  # multiplies each block's output before it is added back
+    logit_scale: float = 1.0  # divides the logits
     query_scale: float | None = None  # None: head_dim ** -0.5
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: "full" or "sliding"; () = all full
+    no_rope_layers: tuple[int, ...] = ()  # layers whose queries and keys are not rotated
     rope_local_theta: float | None = None  # rope base of sliding layers
     rope_scaling_factor: float = 1.0  # linear position scaling of full layers
+    # The full layers' rotary frequencies [head_dim / 2] where a scaling rule sets them
+    # (Llama 3.1's, a GGUF file's rope_freqs); () = theta ** (-2i / head_dim).
+    rope_inv_freq: tuple[float, ...] = ()
+    rope_attn_factor: float = 1.0  # multiplies cos and sin (YaRN's attention factor)
     activation: str = "silu"  # or "gelu_tanh"
     final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHITECTURES:
-            raise ValueError(f"architecture {self.arch!r} is not supported: use {ARCHITECTURES}")
+        for name in ("layer_types", "no_rope_layers", "rope_inv_freq"):  # JSON gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of {self.n_kv_heads}")
         if self.layer_types and len(self.layer_types) != self.n_layers:
@@ -51,6 +59,13 @@ class ModelConfig:
             raise ValueError(f"layer_types {self.layer_types} may hold 'full' or 'sliding'")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"activation {self.activation!r} is not supported")
+        if self.rope_inv_freq and len(self.rope_inv_freq) != self.head_dim // 2:
+            raise ValueError(
+                f"{len(self.rope_inv_freq)} rotary frequencies for head_dim {self.head_dim}: "
+                f"need {self.head_dim // 2}"
+            )
+        if any(not 0 <= i < self.n_layers for i in self.no_rope_layers):
+            raise ValueError(f"no_rope_layers {self.no_rope_layers} outside 0..{self.n_layers - 1}")
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"

@@ -28,6 +28,7 @@ from speculant.models.attention import (  # noqa: F401 (re-exported)
     apply_rope,
     attend,
     attend_values,
+    identity_rope,
     rope_tables,
 )
 from speculant.models.config import ModelConfig
@@ -125,7 +126,12 @@ class Transformer:
         self.fuse_layers = True  # False: the layers one operation at a time (tests, A/B)
         n_pos = config.max_seq_len + 16
         self._rope_full = rope_tables(
-            config.head_dim, config.rope_theta, n_pos, config.rope_scaling_factor
+            config.head_dim,
+            config.rope_theta,
+            n_pos,
+            config.rope_scaling_factor,
+            config.rope_inv_freq,
+            config.rope_attn_factor,
         ).to(dtype)
         local = config.rope_local_theta
         self._rope_local = (
@@ -233,6 +239,7 @@ class Transformer:
         x = embed_rows(w.tok_embeddings, torch.cat(parts)).to(self.dtype)  # [sum rows, dim]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=self.dtype)
+        residual = torch.tensor(c.residual_scale, dtype=self.dtype)
         for seg in segments:
             seg.tree_kv = []
         ctx = [
@@ -248,12 +255,12 @@ class Transformer:
             h = self._attention(h, lw, i, sliding, segments, spans, ctx)
             if lw.post_attn_norm is not None:
                 h = rms_norm(h, lw.post_attn_norm, c.norm_eps)
-            x = x + h
+            x = x + (h if c.residual_scale == 1.0 else h * residual)
             h = rms_norm(x, lw.ffn_norm, c.norm_eps)
             h = self._mlp(h, lw)
             if lw.post_ffn_norm is not None:
                 h = rms_norm(h, lw.post_ffn_norm, c.norm_eps)
-            x = x + h
+            x = x + (h if c.residual_scale == 1.0 else h * residual)
             if trace is not None:
                 trace.append(x[: spans[0][2]])
         if fused:
@@ -275,6 +282,8 @@ class Transformer:
                 full = torch.zeros(0, c.vocab_size)
             else:
                 full = linear(head_in, w.output).float()  # [wanted rows, vocab]
+            if c.logit_scale != 1.0:
+                full = full / c.logit_scale
             if c.final_logit_softcap and head_in is not None:
                 cap = c.final_logit_softcap
                 full = torch.tanh(full / cap) * cap
@@ -292,7 +301,8 @@ class Transformer:
     def _fusable(self) -> bool:
         """Whether the layers run natively in one call (`_fused_layers`): GGUF weights on
         the native kernels, and pre-norm layers of the plain Llama / Qwen2 kind (no q/k
-        norms, no post-norms, SiLU, no sliding window). Decided once per model."""
+        norms, no post-norms, SiLU, no sliding window, every layer rotated, no residual
+        scale). Decided once per model."""
         if not self.fuse_layers:
             return False
         if self._layer_table is None and not self._unfusable:
@@ -302,7 +312,9 @@ class Transformer:
 
     def _build_layer_table(self) -> native.LayerTable | None:
         c = self.config
-        if not self.native_ops or c.activation != "silu":
+        if not self.native_ops or c.activation != "silu" or c.no_rope_layers:
+            return None
+        if c.residual_scale != 1.0:
             return None
         if any(c.is_sliding(i) for i in range(c.n_layers)):
             return None
@@ -443,8 +455,11 @@ class Transformer:
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
         qkv = linear(x, lw.wqkv, lw.bqkv)  # [sum rows, (nh + 2 nkv) hd]
         outs = []
+        no_rope = layer in c.no_rope_layers
         for seg, (o, t, n_real), sc in zip(segments, spans, ctx, strict=True):
             cs = sc.rope_local if sliding else sc.rope_full
+            if no_rope:
+                cs = identity_rope(t, hd, cs.dtype)
             mask, keys = _visible(sc, sliding)
             if keys is not None and sc.paths is None and lw.q_norm is None:
                 # one native call: rotary, cache write and attention of a chain (the

@@ -8,7 +8,6 @@ rotate-half RoPE ordering for Q and K.
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from speculant.models import archs
 from speculant.models.config import ModelConfig
 from speculant.models.decoder import LayerWeights, Weights
 from speculant.models.gguf_file import GGUFError, GGUFIndex, read_gguf
@@ -80,111 +80,11 @@ def _assemble(
 
 
 # --------------------------------------------------------------------------- HF folders
-_HF_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "output": "lm_head.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "q": "model.layers.{i}.self_attn.q_proj.weight",
-    "k": "model.layers.{i}.self_attn.k_proj.weight",
-    "v": "model.layers.{i}.self_attn.v_proj.weight",
-    "o": "model.layers.{i}.self_attn.o_proj.weight",
-    "q_bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "k_bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "v_bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "gate": "model.layers.{i}.mlp.gate_proj.weight",
-    "up": "model.layers.{i}.mlp.up_proj.weight",
-    "down": "model.layers.{i}.mlp.down_proj.weight",
-}
-_HF_FFN_NORM = "model.layers.{i}.post_attention_layernorm.weight"  # llama / qwen2
-_GEMMA_NORMS = {
-    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "post_ffn_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
-_HF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
-
-
-def _rope_theta(cfg: dict[str, Any], kind: str | None = None) -> tuple[float, float]:
-    """(theta, linear scaling factor) from old (`rope_theta`) or new (`rope_parameters`)."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and kind is not None and kind in params:
-        params = params[kind]
-    if isinstance(params, dict) and "rope_theta" in params:
-        factor = 1.0
-        if params.get("rope_type", "default") == "linear":
-            factor = float(params.get("factor", 1.0))
-        elif params.get("rope_type", "default") != "default":
-            raise ModelLoadError(f"rope_type {params.get('rope_type')!r} is not supported")
-        return float(params["rope_theta"]), factor
-    scaling = cfg.get("rope_scaling") or {}
-    factor = float(scaling.get("factor", 1.0)) if scaling.get("rope_type") == "linear" else 1.0
-    if kind == "sliding_attention" and "rope_local_base_freq" in cfg:
-        return float(cfg["rope_local_base_freq"]), 1.0
-    return float(cfg.get("rope_theta", 10000.0)), factor
-
-
-def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    model_type = cfg.get("model_type")
-    if model_type == "gemma3" and "text_config" in cfg:
-        cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-        model_type = "gemma3_text"
-    arch = _HF_ARCH.get(str(model_type))
-    if arch is None:
-        raise ModelLoadError(
-            f"model_type {model_type!r} is not supported: use one of {sorted(_HF_ARCH)}"
-        )
-    n_heads = int(cfg["num_attention_heads"])
-    dim = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or dim // n_heads)
-    common: dict[str, Any] = dict(
-        arch=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        dim=dim,
-        n_layers=int(cfg["num_hidden_layers"]),
-        n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=head_dim,
-        ffn_dim=int(cfg["intermediate_size"]),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
-    )
-    if arch == "gemma3":
-        theta, factor = _rope_theta(cfg, "full_attention")
-        local_theta, _ = _rope_theta(cfg, "sliding_attention")
-        layer_types = cfg.get("layer_types") or [
-            "full_attention"
-            if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0
-            else "sliding_attention"
-            for i in range(common["n_layers"])
-        ]
-        return ModelConfig(
-            **common,
-            rope_theta=theta,
-            rope_scaling_factor=factor,
-            rope_local_theta=local_theta,
-            qk_norm=True,
-            sandwich_norm=True,
-            embed_scale=math.sqrt(dim),
-            query_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
-            layer_types=tuple(
-                "sliding" if t == "sliding_attention" else "full" for t in layer_types
-            ),
-            activation="gelu_tanh",
-            final_logit_softcap=cfg.get("final_logit_softcapping"),
-        )
-    if cfg.get("attn_logit_softcapping"):
-        raise ModelLoadError("attention logit softcapping is not supported")
-    if arch == "llama" and (cfg.get("mlp_bias") or cfg.get("attention_bias")):
-        raise ModelLoadError("llama checkpoints with attention_bias / mlp_bias are not supported")
-    theta, factor = _rope_theta(cfg)
-    return ModelConfig(
-        **common, rope_theta=theta, rope_scaling_factor=factor, qkv_bias=arch == "qwen2"
-    )
+def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    try:
+        return archs.config_from_hf(cfg, where)
+    except archs.ArchError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
@@ -196,7 +96,7 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights")
-    config = config_from_hf(json.loads(cfg_file.read_text()))
+    config = config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
     # canonical name -> (file handle, name in the file); multimodal wrappers nest the
     # text model under "language_model".
     source: dict[str, tuple[Any, str]] = {}
@@ -206,113 +106,27 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
             canon = key.replace("model.language_model.", "model.", 1)
             source[canon.removeprefix("language_model.")] = (handle, key)
 
-    gemma = config.arch == "gemma3"
+    plus_one = archs.for_config(config).hf_norm_plus_one
 
     def get(name: str) -> Tensor | None:
         if name not in source:
             return None
         handle, key = source[name]
         t = handle.get_tensor(key).float()
-        if gemma and name.endswith("norm.weight"):
-            t = t + 1.0  # Gemma RMSNorm multiplies by (1 + w)
+        if plus_one and name.endswith("norm.weight"):
+            t = t + 1.0  # an RMSNorm that multiplies by (1 + w)
         return t
 
-    names = dict(_HF_NAMES)
-    if gemma:
-        names.update(_GEMMA_NORMS)
-    else:
-        names["ffn_norm"] = _HF_FFN_NORM
+    names = archs.hf_names(archs.for_config(config))
     return config, _assemble(config, get, names, dtype)
 
 
 # --------------------------------------------------------------------------------- GGUF
-_GGUF_NAMES = {
-    "embed": "token_embd.weight",
-    "norm": "output_norm.weight",
-    "output": "output.weight",
-    "attn_norm": "blk.{i}.attn_norm.weight",
-    "q": "blk.{i}.attn_q.weight",
-    "k": "blk.{i}.attn_k.weight",
-    "v": "blk.{i}.attn_v.weight",
-    "o": "blk.{i}.attn_output.weight",
-    "q_bias": "blk.{i}.attn_q.bias",
-    "k_bias": "blk.{i}.attn_k.bias",
-    "v_bias": "blk.{i}.attn_v.bias",
-    "q_norm": "blk.{i}.attn_q_norm.weight",
-    "k_norm": "blk.{i}.attn_k_norm.weight",
-    "ffn_norm": "blk.{i}.ffn_norm.weight",
-    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
-    "post_ffn_norm": "blk.{i}.post_ffw_norm.weight",
-    "gate": "blk.{i}.ffn_gate.weight",
-    "up": "blk.{i}.ffn_up.weight",
-    "down": "blk.{i}.ffn_down.weight",
-}
-
-
 def config_from_gguf(index: GGUFIndex) -> ModelConfig:
-    meta = index.metadata
-    has_output = "output.weight" in index.tensors
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "gemma3"):
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported: use llama, qwen2 or gemma3"
-        )
-
-    def f(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata {arch}.{key} is missing")
-        return value
-
-    dim = int(f("embedding_length"))
-    n_heads = int(f("attention.head_count"))
-    n_kv = f("attention.head_count_kv", n_heads)
-    head_dim = int(f("attention.key_length", dim // n_heads))
-    n_layers = int(f("block_count"))
-    if "token_embd.weight" not in index.tensors:
-        raise ModelLoadError(f"{index.path}: tensor token_embd.weight is missing")
-    emb = index.tensors["token_embd.weight"]
-    common: dict[str, Any] = dict(
-        arch=arch,
-        vocab_size=int(emb.shape[-1]),  # gguf shapes are (in, out)
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=int(n_kv),
-        head_dim=head_dim,
-        ffn_dim=int(f("feed_forward_length")),
-        norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_seq_len=int(f("context_length", 4096)),
-        tie_embeddings=not has_output,
-    )
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    factor = 1.0
-    if scaling_type == "linear":
-        factor = float(f("rope.scaling.factor", 1.0))
-    elif scaling_type not in ("none", None):
-        raise ModelLoadError(f"rope scaling {scaling_type!r} is not supported")
-    theta = float(f("rope.freq_base", 10000.0))
-    if arch == "gemma3":
-        # llama.cpp's gemma3 conventions: every 6th layer is global, local rope base 10k.
-        pattern = int(meta.get("gemma3.attention.sliding_window_pattern", 6) or 6)
-        return ModelConfig(
-            **common,
-            rope_theta=theta,
-            rope_scaling_factor=factor,
-            rope_local_theta=10000.0,
-            qk_norm=True,
-            sandwich_norm=True,
-            embed_scale=math.sqrt(dim),
-            query_scale=head_dim**-0.5,
-            sliding_window=int(f("attention.sliding_window")),
-            layer_types=tuple(
-                "full" if (i + 1) % pattern == 0 else "sliding" for i in range(n_layers)
-            ),
-            activation="gelu_tanh",
-        )
-    return ModelConfig(
-        **common, rope_theta=theta, rope_scaling_factor=factor, qkv_bias=arch == "qwen2"
-    )
+    try:
+        return archs.config_from_gguf(index)
+    except archs.ArchError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
@@ -325,7 +139,8 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
 
 def _rope_heads(config: ModelConfig, name: str) -> int | None:
     """Heads of a llama Q / K projection whose rows need `_unpermute_rope`, else None."""
-    if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+    interleaved = archs.for_config(config).gguf_qk_interleaved
+    if interleaved and name.endswith(("attn_q.weight", "attn_k.weight")):
         return config.n_heads if "attn_q" in name else config.n_kv_heads
     return None
 
@@ -373,7 +188,7 @@ def load_gguf(
         tick()
         return out
 
-    return config, _assemble(config, get, _GGUF_NAMES, dtype)
+    return config, _assemble(config, get, archs.gguf_names(archs.for_config(config)), dtype)
 
 
 def load_gguf_native(
@@ -387,6 +202,7 @@ def load_gguf_native(
     from speculant.native import SUPPORTED_TYPES, NativeMatrix, row_bytes
 
     index, config, tick = _open_gguf(path, progress)
+    names = archs.gguf_names(archs.for_config(config))
 
     def stored(name: str) -> tuple[int, Tensor, int] | None:
         """(type, row bytes as uint8 [rows * row_bytes], rows), or None when the kernels
@@ -404,7 +220,7 @@ def load_gguf_native(
         return info.ggml_type, raw.reshape(-1), n
 
     def need(role: str, i: int | None = None) -> str:
-        name = _GGUF_NAMES[role].format(i=i)
+        name = names[role].format(i=i)
         if name not in index.tensors:
             raise ModelLoadError(f"tensor {name!r} is missing")
         return name
@@ -425,13 +241,16 @@ def load_gguf_native(
         return _dequantized(index, config, need(role, i)).contiguous()
 
     def vec(role: str, i: int, wanted: bool) -> Tensor | None:
-        present = _GGUF_NAMES[role].format(i=i) in index.tensors
+        present = names[role].format(i=i) in index.tensors
         return need_vec(role, i) if wanted and present else None
 
     emb = projection(need("embed"), lookup=True)
     output = emb
     if not config.tie_embeddings:
-        output = projection(need("output"))
+        # its stored rows stay mapped (no copy) for EAGLE heads, which read LM-head rows
+        output = projection(need("output"), lookup=True)
+        if isinstance(output, GGUFWeight):
+            output.matrix.pack()
     elif isinstance(emb, GGUFWeight):
         emb.matrix.pack()  # the LM head too
     layers = []

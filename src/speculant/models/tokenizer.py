@@ -419,6 +419,15 @@ def _auto_tokenizer(path: str, gguf_file: str | None = None) -> Any:
     hf_logging.set_verbosity_error()
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
+    except ValueError as e:
+        # transformers reads a GGUF file's model config to pick a tokenizer class and
+        # refuses architectures it cannot load (granite, smollm3, olmo2): the generic
+        # fast tokenizer reads the same tokenizer metadata without it.
+        if gguf_file is None or "is not supported" not in str(e):
+            raise
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
 

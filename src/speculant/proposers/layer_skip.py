@@ -80,7 +80,8 @@ def skipped_view(model: Model, skip: Sequence[int]) -> Model:
     w = model.net.weights
     weights = Weights(w.tok_embeddings, w.norm, w.output, [w.layers[i] for i in kept])
     types = tuple(c.layer_types[i] for i in kept) if c.layer_types else ()
-    config = dataclasses.replace(c, n_layers=len(kept), layer_types=types)
+    no_rope = tuple(j for j, i in enumerate(kept) if i in c.no_rope_layers)
+    config = dataclasses.replace(c, n_layers=len(kept), layer_types=types, no_rope_layers=no_rope)
     net = Transformer(config, weights, model.dtype)
     return Model(f"{model.name} without layers {list(skip)}", config, net, model.tokenizer)
 

@@ -1,0 +1,360 @@
+"""What an architecture description is, and the parsing every description shares.
+
+An `Arch` names its Hugging Face `model_type`s and its GGUF `general.architecture`,
+says how its tensors are named where they differ from Llama's, and reads the config
+keys of its own (`hf` / `gguf`: a `Fields` in, ModelConfig fields out). The loader and
+the decoder read only that: a new family is one file beside this one.
+
+Config keys are read through `Fields`, which remembers what was read. After a GGUF
+file's description has run, every `{arch}.*` key it left unread is refused by name; for
+a config.json, every key of `MATH_KEYS` that was left unread and is not at its neutral
+value is. So a key that changes the math and that no description implements is never
+ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ArchError(ValueError):
+    """A config or file whose architecture, or one of its settings, is not implemented."""
+
+
+_MISSING = object()
+
+
+class Fields:
+    """The keys of one config, read through `get` / `need`, which remember each key read.
+
+    `prefix` is prepended to every key (a GGUF file's "{arch}."); `where` names the
+    source in errors."""
+
+    def __init__(self, values: Mapping[str, Any], where: str, prefix: str = "") -> None:
+        self.values = values
+        self.where = where
+        self.prefix = prefix
+        self.read: set[str] = set()
+
+    def has(self, key: str) -> bool:
+        return self.prefix + key in self.values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        full = self.prefix + key
+        self.read.add(full)
+        value = self.values.get(full, _MISSING)
+        return default if value is _MISSING or value is None else value
+
+    def need(self, key: str) -> Any:
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            raise ArchError(f"{self.where}: {self.prefix + key} is missing")
+        return value
+
+    def refuse(self, key: str, value: Any, allowed: str) -> ArchError:
+        return ArchError(f"{self.where}: {self.prefix + key}={value!r} is not supported: {allowed}")
+
+
+# Config keys of Hugging Face families that change a model's math, with the value that
+# leaves it unchanged. A key present with another value that no description read is
+# refused by name.
+MATH_KEYS: dict[str, Any] = {
+    "rope_scaling": None,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "logits_scaling": 1.0,
+    "use_sliding_window": False,
+    "no_rope_layers": None,
+    "no_rope_layer_interval": None,
+    "partial_rotary_factor": 1.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "query_pre_attn_scalar": None,
+    "hidden_act": "silu",
+    "hidden_activation": "silu",
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture: see the module docstring."""
+
+    name: str  # GGUF general.architecture
+    hf_types: tuple[str, ...]  # Hugging Face model_type values
+    hf: Callable[[Fields, dict[str, Any]], None]  # adds ModelConfig fields from config.json
+    gguf: Callable[[Fields, dict[str, Any], Any], None]  # ... from GGUF metadata (and index)
+    # llama.cpp's converter interleaves the Q / K rows of these (its "normal" rope); the
+    # loader puts them back in rotate-half order.
+    gguf_qk_interleaved: bool = False
+    hf_norm_plus_one: bool = False  # the file stores w of an RMSNorm that multiplies by 1 + w
+    hf_names: Mapping[str, str] = field(default_factory=dict)  # role -> name, where not Llama's
+    gguf_names: Mapping[str, str] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------- shared parsing
+def common_hf(f: Fields) -> dict[str, Any]:
+    """The fields every family's config.json spells the same way."""
+    n_heads = int(f.need("num_attention_heads"))
+    dim = int(f.need("hidden_size"))
+    n_layers = int(f.need("num_hidden_layers"))
+    return dict(
+        vocab_size=int(f.need("vocab_size")),
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(f.get("num_key_value_heads") or n_heads),
+        head_dim=int(f.get("head_dim") or dim // n_heads),
+        ffn_dim=int(f.need("intermediate_size")),
+        norm_eps=float(f.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(f.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(f.get("tie_word_embeddings", False)),
+    )
+
+
+def common_gguf(f: Fields, index: Any) -> dict[str, Any]:
+    """The fields every family's GGUF metadata spells the same way (keys "{arch}.*")."""
+    dim = int(f.need("embedding_length"))
+    n_heads = int(f.need("attention.head_count"))
+    head_dim = int(f.get("attention.key_length", dim // n_heads))
+    value_dim = int(f.get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise f.refuse("attention.value_length", value_dim, f"only {head_dim} (key_length)")
+    rope_dim = int(f.get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise f.refuse("rope.dimension_count", rope_dim, f"only {head_dim} (the head size)")
+    if "token_embd.weight" not in index.tensors:
+        raise ArchError(f"{f.where}: tensor token_embd.weight is missing")
+    vocab = int(index.tensors["token_embd.weight"].shape[-1])  # gguf shapes are (in, out)
+    f.get("vocab_size")  # the tokenizer's count; the table's rows are the model's
+    n_kv = f.get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per layer: only one count for every layer is implemented
+        if len(set(n_kv)) != 1:
+            raise f.refuse("attention.head_count_kv", n_kv, "one count for every layer")
+        n_kv = n_kv[0]
+    return dict(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=int(f.need("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),
+        head_dim=head_dim,
+        ffn_dim=int(f.need("feed_forward_length")),
+        norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_seq_len=int(f.get("context_length", 4096)),
+        tie_embeddings="output.weight" not in index.tensors,
+    )
+
+
+# ---------------------------------------------------------------------------- rope
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """theta ** (-2i / head_dim), [head_dim / 2] float32, computed as transformers does."""
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exps)
+
+
+def llama3_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_context: int,
+) -> torch.Tensor:
+    """Llama 3.1's frequencies: long wavelengths divided by `factor`, short ones kept,
+    a smooth blend between (float32, in transformers' order of operations)."""
+    inv_freq = default_inv_freq(head_dim, theta)
+    low_freq_wavelen = original_context / low_freq_factor
+    high_freq_wavelen = original_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def yarn_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    original_context: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> torch.Tensor:
+    """YaRN's frequencies: each a blend of theta's (extrapolation, the fast-turning
+    ones) and theta's divided by `factor` (interpolation, the slow ones), with a linear
+    ramp between the dimensions where `beta_fast` and `beta_slow` rotations fit into the
+    original context (float32, in transformers' order of operations)."""
+
+    def correction_dim(rotations: float) -> float:
+        turns = original_context / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def yarn_attn_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's default attention factor (cos and sin are multiplied by it)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    linear_factor: float = 1.0
+    inv_freq: tuple[float, ...] = ()
+    attn_factor: float = 1.0
+
+    def fields(self) -> dict[str, Any]:
+        return dict(
+            rope_theta=self.theta,
+            rope_scaling_factor=self.linear_factor,
+            rope_inv_freq=self.inv_freq,
+            rope_attn_factor=self.attn_factor,
+        )
+
+
+def hf_rope(f: Fields, head_dim: int, kind: str | None = None) -> Rope:
+    """The rotary embedding a config.json asks for: transformers 5's `rope_parameters`
+    (per layer kind where nested), or the older `rope_theta` + `rope_scaling`.
+    Implemented types: default, linear, llama3; any other is refused by name."""
+    params = f.get("rope_parameters")
+    if isinstance(params, dict) and kind is not None and kind in params:
+        params = params[kind]
+    scaling = f.get("rope_scaling")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        spec = params
+    else:
+        theta = float(f.get("rope_theta", 10000.0))
+        spec = scaling if isinstance(scaling, dict) else {}
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type == "default":
+        return Rope(theta)
+    if rope_type == "linear":
+        return Rope(theta, linear_factor=float(spec.get("factor", 1.0)))
+    if rope_type == "llama3":
+        inv = llama3_inv_freq(
+            head_dim,
+            theta,
+            float(spec["factor"]),
+            float(spec.get("low_freq_factor", 1.0)),
+            float(spec.get("high_freq_factor", 4.0)),
+            int(spec["original_max_position_embeddings"]),
+        )
+        return Rope(theta, inv_freq=tuple(inv.tolist()))
+    if rope_type == "yarn":
+        original = int(spec["original_max_position_embeddings"])
+        factor = spec.get("factor") or int(f.get("max_position_embeddings")) / original
+        attn = spec.get("attention_factor")
+        if attn is None:
+            mscale, mscale_all = spec.get("mscale"), spec.get("mscale_all_dim")
+            if mscale and mscale_all:
+                attn = yarn_attn_factor(factor, mscale) / yarn_attn_factor(factor, mscale_all)
+            else:
+                attn = yarn_attn_factor(factor)
+        inv = yarn_inv_freq(
+            head_dim,
+            theta,
+            float(factor),
+            original,
+            float(spec.get("beta_fast") or 32),
+            float(spec.get("beta_slow") or 1),
+            bool(spec.get("truncate", True)),
+        )
+        return Rope(theta, inv_freq=tuple(inv.tolist()), attn_factor=float(attn))
+    key = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
+    raise f.refuse(key, {"rope_type": rope_type}, "rope types default, linear, llama3, yarn")
+
+
+def gguf_rope(f: Fields, index: Any, head_dim: int) -> Rope:
+    """The rotary embedding a GGUF file asks for: its base, a linear scaling, and the
+    per-frequency divisors of a `rope_freqs.weight` tensor (Llama 3.1's scaling as
+    llama.cpp's converter writes it)."""
+    theta = float(f.get("rope.freq_base", 10000.0))
+    scaling = f.get("rope.scaling.type", "linear")  # llama.cpp's default
+    factor = float(f.get("rope.scaling.factor", 1.0))
+    original = int(f.get("rope.scaling.original_context_length", f.get("context_length", 4096)))
+    attn = float(f.get("rope.scaling.attn_factor", 1.0))
+    if scaling == "yarn":
+        ext = float(f.get("rope.scaling.yarn_ext_factor", 1.0))
+        if ext != 1.0:
+            raise f.refuse("rope.scaling.yarn_ext_factor", ext, "1.0")
+        inv = yarn_inv_freq(
+            head_dim,
+            theta,
+            factor,
+            original,
+            float(f.get("rope.scaling.yarn_beta_fast", 32.0)),
+            float(f.get("rope.scaling.yarn_beta_slow", 1.0)),
+        )
+        yarn_attn = f.get("rope.scaling.yarn_attn_factor")  # the checkpoint's own, if set
+        attn *= float(yarn_attn) if yarn_attn else yarn_attn_factor(factor)
+        return Rope(theta, inv_freq=tuple(inv.tolist()), attn_factor=attn)
+    if scaling not in ("linear", "none"):
+        raise f.refuse("rope.scaling.type", scaling, "none, linear or yarn")
+    if scaling == "none":
+        factor = 1.0
+    inv_freq: tuple[float, ...] = ()
+    if "rope_freqs.weight" in index.tensors:
+        divisors = gguf_float(index, "rope_freqs.weight").reshape(-1)
+        if divisors.numel() != head_dim // 2:
+            raise ArchError(
+                f"{f.where}: rope_freqs.weight has {divisors.numel()} values: need "
+                f"{head_dim // 2} (half the head size)"
+            )
+        inv_freq = tuple((default_inv_freq(head_dim, theta) / divisors).tolist())
+    return Rope(theta, linear_factor=factor, inv_freq=inv_freq, attn_factor=attn)
+
+
+def gguf_float(index: Any, name: str) -> torch.Tensor:
+    """A GGUF tensor (any block type) as float32, flat."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    info = index.tensors[name]
+    arr = dequantize(index.raw(name), GGMLQuantizationType(info.ggml_type))
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(-1)
+
+
+def check_unread(f: Fields, keys: list[str]) -> None:
+    """Refuse the first of `keys` (a GGUF file's "{arch}.*" keys) no description read."""
+    for key in keys:
+        if key.startswith(f.prefix) and key not in f.read:
+            raise ArchError(
+                f"{f.where}: metadata {key}={f.values[key]!r} is not implemented for "
+                f"architecture {f.prefix.rstrip('.')!r}, and it may change the model's math"
+            )
+
+
+def check_math_keys(f: Fields) -> None:
+    """Refuse a config.json key of MATH_KEYS no description read that is not neutral."""
+    for key, neutral in MATH_KEYS.items():
+        if key in f.read or key not in f.values:
+            continue
+        value = f.values[key]
+        if value in (neutral, None):
+            continue
+        raise ArchError(
+            f"{f.where}: {key}={value!r} is not implemented for model_type "
+            f"{f.values.get('model_type')!r}, and it changes the model's math"
+        )
