@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from speculant.cache import KEY_BLOCK
+from speculant.models.archs.base import default_inv_freq
 
 
 def rope_tables(
@@ -24,8 +25,7 @@ def rope_tables(
     if inv_freq:
         freq = torch.tensor(inv_freq, dtype=torch.float32)
     else:
-        exps = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        freq = 1.0 / (theta**exps)
+        freq = default_inv_freq(head_dim, theta)
     pos = torch.arange(n_pos, dtype=torch.float32) / scaling
     freqs = torch.outer(pos, freq)  # [n_pos, head_dim / 2]
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -137,6 +137,11 @@ class Transformer:
         self._rope_local = (
             rope_tables(config.head_dim, local, n_pos).to(dtype) if local else self._rope_full
         )
+        # cos = 1, sin = 0: the rows of layers without a rotary embedding (sliced per pass)
+        self._rope_none = (
+            identity_rope(n_pos, config.head_dim, dtype) if config.no_rope_layers else None
+        )
+        self._residual = torch.tensor(config.residual_scale, dtype=dtype)
 
     @property
     def row_padding(self) -> Padding:
@@ -239,7 +244,6 @@ class Transformer:
         x = embed_rows(w.tok_embeddings, torch.cat(parts)).to(self.dtype)  # [sum rows, dim]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=self.dtype)
-        residual = torch.tensor(c.residual_scale, dtype=self.dtype)
         for seg in segments:
             seg.tree_kv = []
         ctx = [
@@ -255,12 +259,12 @@ class Transformer:
             h = self._attention(h, lw, i, sliding, segments, spans, ctx)
             if lw.post_attn_norm is not None:
                 h = rms_norm(h, lw.post_attn_norm, c.norm_eps)
-            x = x + (h if c.residual_scale == 1.0 else h * residual)
+            x = x + (h if c.residual_scale == 1.0 else h * self._residual)
             h = rms_norm(x, lw.ffn_norm, c.norm_eps)
             h = self._mlp(h, lw)
             if lw.post_ffn_norm is not None:
                 h = rms_norm(h, lw.post_ffn_norm, c.norm_eps)
-            x = x + (h if c.residual_scale == 1.0 else h * residual)
+            x = x + (h if c.residual_scale == 1.0 else h * self._residual)
             if trace is not None:
                 trace.append(x[: spans[0][2]])
         if fused:
@@ -312,9 +316,9 @@ class Transformer:
 
     def _build_layer_table(self) -> native.LayerTable | None:
         c = self.config
-        if not self.native_ops or c.activation != "silu" or c.no_rope_layers:
+        if not self.native_ops or c.activation != "silu":
             return None
-        if c.residual_scale != 1.0:
+        if c.no_rope_layers or c.residual_scale != 1.0:
             return None
         if any(c.is_sliding(i) for i in range(c.n_layers)):
             return None
@@ -455,11 +459,11 @@ class Transformer:
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
         qkv = linear(x, lw.wqkv, lw.bqkv)  # [sum rows, (nh + 2 nkv) hd]
         outs = []
-        no_rope = layer in c.no_rope_layers
+        none = self._rope_none if layer in c.no_rope_layers else None
         for seg, (o, t, n_real), sc in zip(segments, spans, ctx, strict=True):
             cs = sc.rope_local if sliding else sc.rope_full
-            if no_rope:
-                cs = identity_rope(t, hd, cs.dtype)
+            if none is not None:
+                cs = none[:, :t]
             mask, keys = _visible(sc, sliding)
             if keys is not None and sc.paths is None and lw.q_norm is None:
                 # one native call: rotary, cache write and attention of a chain (the
