@@ -57,6 +57,7 @@ def main() -> int:
             folder = out / name
             ref.save_pretrained(folder)
             tok.save_pretrained(folder)
+            _converter_tokenizer(name, folder)
             conv = out / f"{name}-converter.gguf"
             env = {**os.environ, "PYTHONPATH": str(args.llama_cpp / "gguf-py")}
             cmd = [sys.executable, str(converter), str(folder), "--outtype", "f32"]
@@ -95,6 +96,42 @@ def main() -> int:
                 f"tensors with other bytes {differing}"
             )
     return 1 if failures else 0
+
+
+def _converter_tokenizer(name: str, folder: Path) -> None:
+    """What the converter wants beside the Qwen2.5 tokenizer: Phi-3's reads a GPT-2 style
+    tokenizer only where tokenizer_config.json says so (as Phi-4-mini's does); Gemma 2's
+    reads only a SentencePiece model (a tiny one is trained here; the converter pads the
+    vocabulary to the model's size)."""
+    import io
+    import json
+
+    if name == "phi3":
+        cfg_file = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg_file.write_text(json.dumps({**cfg, "tokenizer_class": "GPT2Tokenizer"}))
+    if name.startswith("gemma"):
+        import sentencepiece as spm
+        from gguf_writer import CORPUS
+
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(CORPUS * 20),
+            model_writer=buf,
+            vocab_size=400,
+            model_type="bpe",
+            byte_fallback=True,
+            hard_vocab_limit=False,
+            pad_id=0,  # Gemma's first ids, which its tokenizer adds where they are missing
+            eos_id=1,
+            bos_id=2,
+            unk_id=3,
+            eos_piece="<eos>",
+            bos_piece="<bos>",
+            user_defined_symbols=["<mask>"],
+            minloglevel=2,
+        )
+        (folder / "tokenizer.model").write_bytes(buf.getvalue())
 
 
 if __name__ == "__main__":

@@ -95,7 +95,13 @@ def _quantize(w: torch.Tensor, qtype: Any) -> tuple[np.ndarray, torch.Tensor]:
     return data, back
 
 
-def write_gguf(model: Any, path: Path, qtype_name: str = "Q8_0", round_trip: bool = True) -> Path:
+def write_gguf(
+    model: Any,
+    path: Path,
+    qtype_name: str = "Q8_0",
+    round_trip: bool = True,
+    chat_template: str = CHATML,
+) -> Path:
     """Write `model` (a transformers CausalLM) as a GGUF file at `path`; with
     round_trip, the model's matrices become their dequantized values."""
     import gguf
@@ -114,15 +120,30 @@ def write_gguf(model: Any, path: Path, qtype_name: str = "Q8_0", round_trip: boo
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv)
     params = cfg.rope_parameters
-    w.add_rope_freq_base(params["rope_theta"])
+    if arch != "gemma2":  # Gemma 2's converter leaves llama.cpp's default base
+        w.add_rope_freq_base(params["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch in ("llama", "granite", "smollm3"):
         w.add_vocab_size(cfg.vocab_size)
         w.add_rope_dimension_count(head_dim)
-    if arch != "granite":  # the converter writes them where config.json has head_dim
+    if arch not in ("granite", "phi3"):  # written where config.json has head_dim
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     rope_type = params.get("rope_type", "default")
+    if arch == "phi3":  # the converter writes Phi-3's own set of keys
+        rot = int(params.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // n_heads
+        w.add_rope_dimension_count(rot)
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        w.add_sliding_window(cfg.sliding_window or 0)
+        if rope_type == "longrope":
+            scale = cfg.max_position_embeddings / params["original_max_position_embeddings"]
+            orig = params["original_max_position_embeddings"]
+            attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+            w.add_rope_scaling_attn_factors(attn)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
     if rope_type == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(params["factor"])
@@ -143,27 +164,39 @@ def write_gguf(model: Any, path: Path, qtype_name: str = "Q8_0", round_trip: boo
     for token, idx in vocab.items():
         tokens[idx] = token
     tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
+    if arch.startswith("gemma"):  # transformers' Gemma tokenizer adds one if it is missing
+        tokens[-1] = "<mask>"
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_merges(merges)
-    w.add_token_types([3 if t in SPECIALS or t.startswith("<|unused") else 1 for t in tokens])
+    control = set(SPECIALS) | {"<mask>"}
+    w.add_token_types([3 if t in control or t.startswith("<|unused") else 1 for t in tokens])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    w.add_chat_template(chat_template)
 
     if rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    if rope_type == "longrope":
+        for kind in ("long", "short"):
+            factors = np.array(params[f"{kind}_factor"], dtype=np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight",
     }
+    sandwich = arch in ("gemma2", "gemma3", "olmo2")
     per_layer = {
         "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
+        "post_attention_layernorm": "post_attention_norm" if sandwich else "ffn_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.qkv_proj": "attn_qkv",
+        "mlp.gate_up_proj": "ffn_up",
         "self_attn.q_proj": "attn_q",
         "self_attn.k_proj": "attn_k",
         "self_attn.v_proj": "attn_v",
@@ -197,6 +230,8 @@ def write_gguf(model: Any, path: Path, qtype_name: str = "Q8_0", round_trip: boo
                         back = _deinterleave(back, heads)
                     p.copy_(back)
             else:
+                if arch.startswith("gemma") and out.endswith("norm.weight"):
+                    t = t + 1  # the converter stores Gemma's (1 + w)
                 w.add_tensor(out, t.float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()

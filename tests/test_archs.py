@@ -58,6 +58,14 @@ YARN = {
     "factor": 4.0,
     "original_max_position_embeddings": 512,
 }
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.75,  # Phi-4-mini's share: 24 of 32 dimensions rotate
+    "original_max_position_embeddings": 256,
+    "short_factor": [1.0 + 0.05 * i for i in range(12)],
+    "long_factor": [1.0 + 0.8 * i for i in range(12)],
+}
 # name -> (transformers class prefix, config overrides, the ModelConfig field that a
 # loader ignoring the setting would leave at its neutral value)
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -79,6 +87,27 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"embed_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0, "query_scale": None},
     ),
     "smollm3": ("SmolLM3", {}, {"no_rope_layers": ()}),
+    "phi3": (
+        "Phi3",
+        {
+            "rope_parameters": LONGROPE,
+            "original_max_position_embeddings": 256,
+            "sliding_window": 1000,
+        },
+        {"rope_inv_freq_long": ()},
+    ),
+    "gemma2": (
+        "Gemma2",
+        {
+            "attn_logit_softcapping": 10.0,
+            "final_logit_softcapping": 8.0,
+            "query_pre_attn_scalar": 32,  # GGUF files keep no scalar: llama.cpp's is head_dim
+            "sliding_window": 64,
+            "tie_word_embeddings": True,  # the converter drops the LM head
+        },
+        {"attn_softcap": None},
+    ),
+    "olmo2": ("Olmo2", {}, {"qk_norm": False}),
 }
 LONG = 4100
 
@@ -88,7 +117,7 @@ def hf_model(name: str, seed: int = 0) -> Any:
 
     prefix, overrides, _ = CASES[name]
     torch.manual_seed(seed)
-    cfg = getattr(tf, f"{prefix}Config")(**{**TINY, **overrides}, tie_word_embeddings=False)
+    cfg = getattr(tf, f"{prefix}Config")(**{**TINY, "tie_word_embeddings": False, **overrides})
     model = getattr(tf, f"{prefix}ForCausalLM")(cfg)
     with torch.no_grad():  # larger weights: sharper, more varied distributions
         for pname, p in model.named_parameters():

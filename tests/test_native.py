@@ -374,7 +374,7 @@ def _cache(nkv: int, rows: int, hd: int, seed: int) -> tuple[torch.Tensor, torch
     return torch.randn(nkv, rows, hd, generator=g), torch.randn(nkv, rows, hd, generator=g)
 
 
-def _attend64(q, keys, values, lo, hi, scale):  # type: ignore[no-untyped-def]
+def _attend64(q, keys, values, lo, hi, scale, softcap=0.0):  # type: ignore[no-untyped-def]
     """float64 reference of native.attend."""
     nh, t, _ = q.shape
     rep = nh // keys.shape[0]
@@ -382,7 +382,10 @@ def _attend64(q, keys, values, lo, hi, scale):  # type: ignore[no-untyped-def]
     for h in range(nh):
         for r in range(t):
             k = keys[h // rep, lo[r] : hi[r]].double()
-            p = torch.softmax(k @ q[h, r].double() * scale, dim=0)
+            s = k @ q[h, r].double() * scale
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
+            p = torch.softmax(s, dim=0)
             out[h, r] = p @ values[h // rep, lo[r] : hi[r]].double()
     return out
 
@@ -398,6 +401,20 @@ def test_attention_within_float64_bound(hd: int, path: str) -> None:
     want = _attend64(q, keys, values, lo, hi, hd**-0.5)
     err = (got.double() - want).abs().max().item()
     assert 0 < err < 1e-5, err  # float32 rounding, never exact by accident
+
+
+def test_attention_softcap_within_float64_bound(path: str) -> None:
+    """Gemma 2's soft-capped scores, on every path: the float64 reference's, and not the
+    uncapped result (the cap bites on these scores)."""
+    nh, nkv, t, rows, hd = 4, 2, 5, 200, 64
+    keys, values = _cache(nkv, rows, hd, 11)
+    q = torch.randn(nh, t, hd, generator=torch.Generator().manual_seed(12)) * 3
+    lo, hi = torch.tensor([0, 0, 10, 100, 199]), torch.tensor([3, 50, 51, 150, 200])
+    got = native.attend(q, keys, values, lo, hi, hd**-0.5, softcap=2.0)
+    want = _attend64(q, keys, values, lo, hi, hd**-0.5, softcap=2.0)
+    assert (got.double() - want).abs().max().item() < 1e-5
+    uncapped = native.attend(q, keys, values, lo, hi, hd**-0.5)
+    assert (uncapped - got).abs().max().item() > 0.01
 
 
 def test_attention_with_spread_scores(path: str) -> None:
@@ -459,12 +476,17 @@ def test_attention_and_norm_paths_agree_bitwise(hd: int, nh: int, nkv: int) -> N
     try:
         for name in native.paths():
             native.set_path(name)
-            out[name] = (native.attend(q, keys, values, lo, hi, 0.09), native.rms_norm(x, w, 1e-6))
+            out[name] = (
+                native.attend(q, keys, values, lo, hi, 0.09),
+                native.rms_norm(x, w, 1e-6),
+                native.attend(q, keys, values, lo, hi, 0.09, softcap=1.5),
+            )
     finally:
         native.set_path("auto")
-    for name, (att, norm) in out.items():
+    for name, (att, norm, capped) in out.items():
         assert torch.equal(att, out["portable"][0]), name
         assert torch.equal(norm, out["portable"][1]), name
+        assert torch.equal(capped, out["portable"][2]), name
 
 
 @pytest.mark.parametrize(("nh", "nkv", "hd"), [(12, 2, 128), (9, 3, 72), (4, 2, 64), (3, 3, 136)])

@@ -17,22 +17,27 @@ def rope_tables(
     scaling: float = 1.0,
     inv_freq: tuple[float, ...] = (),
     attn_factor: float = 1.0,
+    rope_dim: int = 0,
 ) -> Tensor:
     """cos/sin per position: [2, n_pos, head_dim] float32 (rotate-half layout).
 
-    `inv_freq` [head_dim / 2], where given, replaces theta's frequencies (a scaling rule's);
-    `attn_factor` multiplies cos and sin (YaRN's attention factor)."""
-    if inv_freq:
-        freq = torch.tensor(inv_freq, dtype=torch.float32)
-    else:
-        freq = default_inv_freq(head_dim, theta)
+    `inv_freq` [rope_dim / 2], where given, replaces theta's frequencies (a scaling rule's);
+    `attn_factor` multiplies cos and sin (YaRN's attention factor). `rope_dim` < head_dim
+    (partial rotary): each half of the head holds its rope_dim / 2 rotated dimensions first,
+    then the others, whose cos is 1 and sin 0 (the loader orders the q / k rows so)."""
+    rot = rope_dim or head_dim
+    given = torch.tensor(inv_freq, dtype=torch.float32) if inv_freq else None
+    freq = default_inv_freq(rot, theta) if given is None else given
     pos = torch.arange(n_pos, dtype=torch.float32) / scaling
-    freqs = torch.outer(pos, freq)  # [n_pos, head_dim / 2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    freqs = torch.outer(pos, freq)  # [n_pos, rot / 2]
+    cos, sin = freqs.cos(), freqs.sin()
     if attn_factor != 1.0:
         cos, sin = cos * attn_factor, sin * attn_factor
-    return torch.stack([cos, sin])
+    if rot < head_dim:  # the unrotated dimensions: cos = 1, sin = 0
+        rest = (head_dim - rot) // 2
+        cos = torch.cat([cos, torch.ones(n_pos, rest)], dim=-1)
+        sin = torch.cat([sin, torch.zeros(n_pos, rest)], dim=-1)
+    return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)])
 
 
 def identity_rope(rows: int, head_dim: int, dtype: torch.dtype) -> Tensor:
@@ -68,15 +73,19 @@ def attend_values(probs: Tensor, values: Tensor) -> Tensor:
     return out.to(probs.dtype)
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attend(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, softcap: float = 0.0
+) -> Tensor:
     """q [1, nh, T, hd] against keys / values [1, nkv, span, hd] under mask [T, span]
     -> [nh, T, hd]. Query heads are grouped under their kv head: no copy of the keys for
-    grouped-query attention."""
+    grouped-query attention. `softcap` > 0: each score s becomes softcap * tanh(s / softcap)."""
     nh, t, hd = q.shape[1], q.shape[2], q.shape[3]
     nkv = keys.shape[1]
     rep = nh // nkv
     qg = q[0].reshape(nkv, rep * t, hd)  # [nkv, rep*T, hd]
     scores = torch.matmul(qg, keys[0].transpose(1, 2)) * scale  # [nkv, rep*T, span]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(nkv, rep, t, -1).masked_fill(~mask, float("-inf"))
     probs = scores.float().softmax(dim=-1).to(q.dtype).view(nkv, rep * t, -1)
     out = attend_values(probs, values[0])  # [nkv, rep*T, hd]

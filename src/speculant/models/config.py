@@ -31,6 +31,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False  # biases on the q, k and v projections
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding
+    qk_norm_all_heads: bool = False  # ... of all query / all key heads at once (OLMo 2)
+    pre_norm: bool = True  # RMSNorms before attention and the MLP (OLMo 2 has none)
     sandwich_norm: bool = False  # post-attention and pre/post feed-forward norms
     embed_scale: float = 1.0  # multiplies the embedding rows
     residual_scale: float = 1.0  # multiplies each block's output before it is added back
@@ -45,11 +47,21 @@ class ModelConfig:
     # (Llama 3.1's, a GGUF file's rope_freqs); () = theta ** (-2i / head_dim).
     rope_inv_freq: tuple[float, ...] = ()
     rope_attn_factor: float = 1.0  # multiplies cos and sin (YaRN's attention factor)
+    # Rotated dimensions of each head (0: all). Fewer (partial rotary, Phi-4-mini): the
+    # loader moves each head's rotated pairs to the front of either half, and the rest
+    # get cos = 1, sin = 0.
+    rope_dim: int = 0
+    # LongRoPE (Phi-3): a sequence whose cache holds more than rope_long_context
+    # positions rotates with these frequencies instead of rope_inv_freq (the short ones).
+    rope_inv_freq_long: tuple[float, ...] = ()
+    rope_long_context: int = 0
+    attn_softcap: float | None = None  # scores s -> cap * tanh(s / cap) (Gemma 2)
     activation: str = "silu"  # or "gelu_tanh"
     final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("layer_types", "no_rope_layers", "rope_inv_freq"):  # JSON gives lists
+        lists = ("layer_types", "no_rope_layers", "rope_inv_freq", "rope_inv_freq_long")
+        for name in lists:  # JSON gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of {self.n_kv_heads}")
@@ -59,13 +71,20 @@ class ModelConfig:
             raise ValueError(f"layer_types {self.layer_types} may hold 'full' or 'sliding'")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ValueError(f"activation {self.activation!r} is not supported")
-        if self.rope_inv_freq and len(self.rope_inv_freq) != self.head_dim // 2:
-            raise ValueError(
-                f"{len(self.rope_inv_freq)} rotary frequencies for head_dim {self.head_dim}: "
-                f"need {self.head_dim // 2}"
-            )
+        if self.rope_dim % 2 or not 0 <= self.rope_dim <= self.head_dim:
+            raise ValueError(f"rope_dim {self.rope_dim}: an even count up to {self.head_dim}")
+        for freqs in (self.rope_inv_freq, self.rope_inv_freq_long):
+            if freqs and len(freqs) != self.rotary_dim // 2:
+                raise ValueError(
+                    f"{len(freqs)} rotary frequencies for {self.rotary_dim} rotated "
+                    f"dimensions: need {self.rotary_dim // 2}"
+                )
         if any(not 0 <= i < self.n_layers for i in self.no_rope_layers):
             raise ValueError(f"no_rope_layers {self.no_rope_layers} outside 0..{self.n_layers - 1}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"

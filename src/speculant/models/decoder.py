@@ -125,17 +125,26 @@ class Transformer:
         self._unfusable = False  # decided: these layers cannot run in one call
         self.fuse_layers = True  # False: the layers one operation at a time (tests, A/B)
         n_pos = config.max_seq_len + 16
-        self._rope_full = rope_tables(
-            config.head_dim,
-            config.rope_theta,
-            n_pos,
-            config.rope_scaling_factor,
-            config.rope_inv_freq,
-            config.rope_attn_factor,
-        ).to(dtype)
-        local = config.rope_local_theta
+
+        def table(inv_freq: tuple[float, ...]) -> Tensor:
+            return rope_tables(
+                config.head_dim,
+                config.rope_theta,
+                n_pos,
+                config.rope_scaling_factor,
+                inv_freq,
+                config.rope_attn_factor,
+                config.rope_dim,
+            ).to(dtype)
+
+        self._rope_full = table(config.rope_inv_freq)
+        # LongRoPE: the tables of sequences whose cache holds more than rope_long_context
+        self._rope_long = table(config.rope_inv_freq_long) if config.rope_inv_freq_long else None
+        local = config.rope_local_theta  # sliding layers' own base; None: the full table
         self._rope_local = (
-            rope_tables(config.head_dim, local, n_pos).to(dtype) if local else self._rope_full
+            rope_tables(config.head_dim, local, n_pos, rope_dim=config.rope_dim).to(dtype)
+            if local
+            else None
         )
         # cos = 1, sin = 0: the rows of layers without a rotary embedding (sliced per pass)
         self._rope_none = (
@@ -255,12 +264,12 @@ class Transformer:
         fused = trace is None and all(sc.paths is None for sc in ctx) and self._fusable()
         for i, lw in enumerate([] if fused else w.layers):
             sliding = c.is_sliding(i)
-            h = rms_norm(x, lw.attn_norm, c.norm_eps)
+            h = x if lw.attn_norm is None else rms_norm(x, lw.attn_norm, c.norm_eps)
             h = self._attention(h, lw, i, sliding, segments, spans, ctx)
             if lw.post_attn_norm is not None:
                 h = rms_norm(h, lw.post_attn_norm, c.norm_eps)
             x = x + (h if c.residual_scale == 1.0 else h * self._residual)
-            h = rms_norm(x, lw.ffn_norm, c.norm_eps)
+            h = x if lw.ffn_norm is None else rms_norm(x, lw.ffn_norm, c.norm_eps)
             h = self._mlp(h, lw)
             if lw.post_ffn_norm is not None:
                 h = rms_norm(h, lw.post_ffn_norm, c.norm_eps)
@@ -318,7 +327,7 @@ class Transformer:
         c = self.config
         if not self.native_ops or c.activation != "silu":
             return None
-        if c.no_rope_layers or c.residual_scale != 1.0:
+        if c.no_rope_layers or c.residual_scale != 1.0 or c.attn_softcap:
             return None
         if any(c.is_sliding(i) for i in range(c.n_layers)):
             return None
@@ -326,7 +335,7 @@ class Transformer:
         for lw in self.weights.layers:
             if lw.q_norm is not None or lw.post_attn_norm is not None:
                 return None
-            if lw.post_ffn_norm is not None:
+            if lw.post_ffn_norm is not None or lw.attn_norm is None or lw.ffn_norm is None:
                 return None
             qkv, wo, gate_up, down = lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down
             if not (
@@ -373,6 +382,15 @@ class Transformer:
         sin = torch.cat([sc.rope_full[1] for sc in ctx])
         return native.run_layers(self._layer_table, x, parts, cos, sin, lo, hi)
 
+    def _full_table(self, cache: KVCache) -> Tensor:
+        """The full layers' rotary table of a sequence: LongRoPE's long one where its cache
+        holds more than the original context (llama.cpp's rule, with the sequence's
+        context), else the usual one."""
+        long = self._rope_long
+        if long is not None and cache.capacity > self.config.rope_long_context:
+            return long
+        return self._rope_full
+
     def _segment_context(self, seg: Segment, rows: int) -> _SegmentContext:
         """Masks and rotary tables of one segment's padded rows."""
         start, end = seg.start, seg.start + rows
@@ -380,17 +398,14 @@ class Transformer:
             return self._tree_context(seg, rows)
         q_pos = torch.arange(start, end)  # rotary positions = cache rows
         rope = slice(start, end)
+        full_table = self._full_table(seg.cache)
+        full = full_table[:, rope]
+        local = (full_table if self._rope_local is None else self._rope_local)[:, rope]
         if self.native_ops:
             empty = torch.empty(0, dtype=torch.bool)
-            return _SegmentContext(
-                empty,
-                empty,
-                self._rope_full[:, rope],
-                self._rope_local[:, rope],
-                ranges=self._ranges(q_pos),
-            )
+            return _SegmentContext(empty, empty, full, local, ranges=self._ranges(q_pos))
         causal, window = self._masks(q_pos, seg.cache.key_span(end))
-        return _SegmentContext(causal, window, self._rope_full[:, rope], self._rope_local[:, rope])
+        return _SegmentContext(causal, window, full, local)
 
     def _ranges(self, q_pos: Tensor) -> KeyRanges:
         """The keys [lo, hi) that queries at q_pos see, causal and sliding-window."""
@@ -440,9 +455,9 @@ class Transformer:
             causal, window = self._masks(torch.arange(seg.start, end), seg.cache.key_span(end))
             paths.append(_TreePath(nodes, owned, chain_rows, causal, window))
         empty = torch.empty(0, dtype=torch.bool)
-        return _SegmentContext(
-            empty, empty, self._rope_full[:, q_pos], self._rope_local[:, q_pos], paths
-        )
+        full_table = self._full_table(seg.cache)
+        local = full_table if self._rope_local is None else self._rope_local
+        return _SegmentContext(empty, empty, full_table[:, q_pos], local[:, q_pos], paths)
 
     def _attention(
         self,
@@ -481,14 +496,18 @@ class Transformer:
                         seg.start,
                         *keys,
                         c.scale,
+                        softcap=c.attn_softcap or 0.0,
                     )
                 )
                 continue
             q, k, v = qkv[o : o + t].split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            if c.qk_norm_all_heads and lw.q_norm is not None and lw.k_norm is not None:
+                q = rms_norm(q.contiguous(), lw.q_norm, c.norm_eps)
+                k = rms_norm(k.contiguous(), lw.k_norm, c.norm_eps)
             q = q.view(t, nh, hd).transpose(0, 1)[None]  # [1, nh, T, hd]
             k = k.view(t, nkv, hd).transpose(0, 1)[None]  # [1, nkv, T, hd]
             v = v.view(t, nkv, hd).transpose(0, 1)[None]
-            if lw.q_norm is not None and lw.k_norm is not None:
+            if not c.qk_norm_all_heads and lw.q_norm is not None and lw.k_norm is not None:
                 q = rms_norm(q, lw.q_norm, c.norm_eps)
                 k = rms_norm(k, lw.k_norm, c.norm_eps)
             q = apply_rope(q, cs[0], cs[1])
@@ -520,11 +539,14 @@ class Transformer:
     ) -> Tensor:
         """q [1, nh, T, hd] against the cache's keys under mask [T, span] (torch), or
         the key range [lo, hi) of each row (native) -> [nh, T, hd]."""
+        c = self.config
         if key_range is not None:
             keys, values = cache.k[layer, 0], cache.v[layer, 0]  # [nkv, rows, hd]
-            return native.attend(q[0].contiguous(), keys, values, *key_range, self.config.scale)
+            return native.attend(
+                q[0].contiguous(), keys, values, *key_range, c.scale, softcap=c.attn_softcap or 0.0
+            )
         keys, values = cache.view(layer, mask.shape[-1])  # [1, nkv, span, hd]
-        return attend(q, keys, values, mask, self.config.scale)
+        return attend(q, keys, values, mask, c.scale, c.attn_softcap or 0.0)
 
     def _mlp(self, x: Tensor, lw: LayerWeights) -> Tensor:
         silu = self.config.activation == "silu"

@@ -142,15 +142,15 @@ def embed_rows(table: Tensor | GGUFWeight, ids: Tensor) -> Tensor:
 
 @dataclass
 class LayerWeights:
-    attn_norm: Tensor  # [dim]
+    attn_norm: Tensor | None  # [dim]; None: no norm before attention (OLMo 2)
     wqkv: Linear  # [(n_heads + 2 * n_kv_heads) * head_dim, dim]
     wo: Linear  # [dim, n_heads * head_dim]
-    ffn_norm: Tensor  # [dim]
+    ffn_norm: Tensor | None  # [dim]; None: no norm before the MLP (OLMo 2)
     w_gate_up: Linear  # [2 * ffn_dim, dim]
     w_down: Linear  # [dim, ffn_dim]
     bqkv: Tensor | None = None  # [(n_heads + 2 * n_kv_heads) * head_dim]
-    q_norm: Tensor | None = None  # [head_dim]
-    k_norm: Tensor | None = None  # [head_dim]
+    q_norm: Tensor | None = None  # [head_dim], or [n_heads * head_dim] (qk_norm_all_heads)
+    k_norm: Tensor | None = None  # [head_dim], or [n_kv_heads * head_dim]
     post_attn_norm: Tensor | None = None  # [dim]
     post_ffn_norm: Tensor | None = None  # [dim]
 

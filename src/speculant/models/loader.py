@@ -56,18 +56,22 @@ def _assemble(
     output = emb if out is None else out
     layers = []
     for i in range(config.n_layers):
-        q, k, v = need("q", i), need("k", i), need("v", i)
+        fused = get(names["qkv"].format(i=i)) if "qkv" in names else None  # Phi-3's
+        qkv = fused if fused is not None else torch.cat([need("q", i), need("k", i), need("v", i)])
         bias = None
         if config.qkv_bias:
             bias = cast(torch.cat([need("q_bias", i), need("k_bias", i), need("v_bias", i)]))
-        gate, up = need("gate", i), need("up", i)
+        if "gate_up" in names:
+            gate_up = need("gate_up", i)
+        else:
+            gate_up = torch.cat([need("gate", i), need("up", i)])
         layers.append(
             LayerWeights(
-                attn_norm=cast(need("attn_norm", i)),
-                wqkv=cast(torch.cat([q, k, v])),
+                attn_norm=cast(need("attn_norm", i)) if config.pre_norm else None,
+                wqkv=cast(qkv),
                 wo=cast(need("o", i)),
-                ffn_norm=cast(need("ffn_norm", i)),
-                w_gate_up=cast(torch.cat([gate, up])),
+                ffn_norm=cast(need("ffn_norm", i)) if config.pre_norm else None,
+                w_gate_up=cast(gate_up),
                 w_down=cast(need("down", i)),
                 bqkv=bias,
                 q_norm=opt("q_norm", i, config.qk_norm),
@@ -115,7 +119,8 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         t = handle.get_tensor(key).float()
         if plus_one and name.endswith("norm.weight"):
             t = t + 1.0  # an RMSNorm that multiplies by (1 + w)
-        return t
+        order = _partial_rotary_rows(config, names, name)
+        return t if order is None else t[order]
 
     names = archs.hf_names(archs.for_config(config))
     return config, _assemble(config, get, names, dtype)
@@ -137,6 +142,50 @@ def _unpermute_rope(w: Tensor, n_heads: int) -> Tensor:
     )
 
 
+def _partial_rotary_rows(config: ModelConfig, names: dict[str, str], name: str) -> Tensor | None:
+    """Where a head rotates only its first rope_dim dimensions (partial rotary), the rows
+    of a q / k projection (or the fused qkv, or a bias) in the decoder's order: each
+    head's rotated pairs first in either half, its unrotated dimensions after them (see
+    attention.rope_tables). None for any other tensor, or a fully rotated model."""
+    hd, rot = config.head_dim, config.rotary_dim
+    if rot == hd:
+        return None
+    role = _role_of(names, name)
+    if role not in ("q", "k", "qkv", "q_bias", "k_bias"):
+        return None
+    half, rest = rot // 2, (hd - rot) // 2
+    head = torch.cat(
+        [
+            torch.arange(half),
+            torch.arange(rot, rot + rest),
+            torch.arange(half, rot),
+            torch.arange(rot + rest, hd),
+        ]
+    )
+
+    def heads(n: int, base: int) -> Tensor:
+        return torch.cat([base + h * hd + head for h in range(n)])
+
+    nh, nkv = config.n_heads, config.n_kv_heads
+    if role in ("q", "q_bias"):
+        return heads(nh, 0)
+    if role in ("k", "k_bias"):
+        return heads(nkv, 0)
+    v = torch.arange((nh + nkv) * hd, (nh + 2 * nkv) * hd)
+    return torch.cat([heads(nh, 0), heads(nkv, nh * hd), v])
+
+
+def _role_of(names: dict[str, str], name: str) -> str | None:
+    """The role whose per-layer name pattern ("...{i}...") `name` is."""
+    for role, pattern in names.items():
+        before, sep, after = pattern.partition("{i}")
+        if sep and name.startswith(before) and name.endswith(after):
+            middle = name[len(before) : len(name) - len(after)]
+            if middle.isdigit():
+                return role
+    return None
+
+
 def _rope_heads(config: ModelConfig, name: str) -> int | None:
     """Heads of a llama Q / K projection whose rows need `_unpermute_rope`, else None."""
     interleaved = archs.for_config(config).gguf_qk_interleaved
@@ -155,7 +204,10 @@ def _dequantized(index: GGUFIndex, config: ModelConfig, name: str) -> Tensor:
     shape = tuple(reversed(info.shape))  # gguf lists (in, out)
     out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
     heads = _rope_heads(config, name)
-    return out if heads is None else _unpermute_rope(out, heads)
+    if heads is not None:
+        out = _unpermute_rope(out, heads)
+    order = _partial_rotary_rows(config, archs.gguf_names(archs.for_config(config)), name)
+    return out if order is None else out[order]
 
 
 def _open_gguf(
@@ -217,6 +269,9 @@ def load_gguf_native(
         heads = _rope_heads(config, name)
         if heads is not None:
             raw = _unpermute_rope(raw, heads).contiguous()  # whole rows move, blocks intact
+        order = _partial_rotary_rows(config, names, name)
+        if order is not None:
+            raw = raw[order]  # whole rows move (a copy), blocks intact
         return info.ggml_type, raw.reshape(-1), n
 
     def need(role: str, i: int | None = None) -> str:
@@ -258,13 +313,21 @@ def load_gguf_native(
         bias = None
         if config.qkv_bias:
             bias = torch.cat([need_vec("q_bias", i), need_vec("k_bias", i), need_vec("v_bias", i)])
+        if "qkv" in names and names["qkv"].format(i=i) in index.tensors:  # Phi-3's fused
+            wqkv = projection(need("qkv", i))
+        else:
+            wqkv = projection(need("q", i), need("k", i), need("v", i))
+        if "gate_up" in names:
+            gate_up = projection(need("gate_up", i))
+        else:
+            gate_up = projection(need("gate", i), need("up", i))
         layers.append(
             LayerWeights(
-                attn_norm=need_vec("attn_norm", i),
-                wqkv=projection(need("q", i), need("k", i), need("v", i)),
+                attn_norm=need_vec("attn_norm", i) if config.pre_norm else None,
+                wqkv=wqkv,
                 wo=projection(need("o", i)),
-                ffn_norm=need_vec("ffn_norm", i),
-                w_gate_up=projection(need("gate", i), need("up", i)),
+                ffn_norm=need_vec("ffn_norm", i) if config.pre_norm else None,
+                w_gate_up=gate_up,
                 w_down=projection(need("down", i)),
                 bqkv=bias,
                 q_norm=vec("q_norm", i, config.qk_norm),

@@ -27,7 +27,7 @@ from speculant.models.config import ModelConfig
 from speculant.models.decoder import Int4Weight, Int8Weight, LayerWeights, Weights
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 2  # 2: ModelConfig gained the rope and scale fields
+FORMAT_VERSION = 3  # 2: rope and scale fields; 3: partial rotary, LongRoPE, soft-cap, OLMo 2
 
 
 def cache_path(gguf: Path, label: str) -> Path:

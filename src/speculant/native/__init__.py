@@ -108,11 +108,11 @@ def _bind(lib: Any) -> Any:
     lib.spec_dequant_rows.restype = c_int
     lib.spec_quantize_rows.argtypes = [c_int, p, i64, i64, p, p]
     lib.spec_quantize_rows.restype = c_int
-    lib.spec_attend.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, ctypes.c_float, p]
-    lib.spec_attend.argtypes += [c_int, c_int]
+    lib.spec_attend.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, ctypes.c_float]
+    lib.spec_attend.argtypes += [ctypes.c_float, p, c_int, c_int]
     lib.spec_attend.restype = c_int
     lib.spec_rope_attend.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, p, i64, i64, p, p]
-    lib.spec_rope_attend.argtypes += [ctypes.c_float, p, c_int, c_int]
+    lib.spec_rope_attend.argtypes += [ctypes.c_float, ctypes.c_float, p, c_int, c_int]
     lib.spec_rope_attend.restype = c_int
     lib.spec_rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
     lib.spec_rms_norm.restype = c_int
@@ -435,12 +435,14 @@ def attend(
     hi: Tensor,
     scale: float,
     threads: int | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Attention of T query rows: q [nh, T, hd] float32 against one layer's cache, keys and
     values [nkv, rows, hd] float32 or float16 (read as the float32 values they hold); query
     row t sees keys lo[t] .. hi[t]-1 (int64 [T]).
     Returns [nh, T, hd]. A row's result depends only on its query and its visible keys:
-    not on T, the cache's length or the thread count (see kernels.c)."""
+    not on T, the cache's length or the thread count (see kernels.c). `softcap` > 0 caps
+    each score s at softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
     lib = _need()
     nh, t, hd = q.shape
     nkv, rows = keys.shape[0], keys.shape[1]
@@ -470,6 +472,7 @@ def attend(
         lo.data_ptr(),
         hi.data_ptr(),
         scale,
+        softcap,
         out.data_ptr(),
         threads if threads is not None else THREADS,
         kv16,
@@ -518,6 +521,7 @@ def rope_attend(
     hi: Tensor,
     scale: float,
     threads: int | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """One chain's attention block in one call: qkv [T, (nh + 2 nkv) hd] (the fused
     projection's rows), heads = (nh, nkv, hd), cos / sin [T, hd] of the rows' positions.
@@ -552,6 +556,7 @@ def rope_attend(
         lo.data_ptr(),
         hi.data_ptr(),
         scale,
+        softcap,
         out.data_ptr(),
         threads if threads is not None else THREADS,
         kv16,

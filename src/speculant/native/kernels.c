@@ -2107,7 +2107,14 @@ typedef struct {
      * float16 value is a float32 one), so a row's result is the float32 code's over the
      * cache's values, whatever the cache's type */
     const uint16_t *k16, *v16;
+    float softcap; /* > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2) */
 } attn_t;
+
+/* Gemma 2's attention soft-cap, on one row's n scores before its softmax. */
+static void softcap_scores(float *s, int64_t n, float cap) {
+    if (cap <= 0.0f) return;
+    for (int64_t j = 0; j < n; j++) s[j] = cap * tanhf(s[j] / cap);
+}
 
 /* keys or values j0 .. j1 - 1 (rows of hd) of a float16 cache into dst as float32 (exact,
  * so the same values on every path); F16C's instructions where path has them */
@@ -2167,6 +2174,7 @@ static void attend_one(const void *ctx, int64_t chunk) {
         const float *kr = keys + (lo + j) * a->hd;
         if (a->k16) kv_widen(a->k16, base + lo + j, base + lo + j + 1, a->hd, row, PATH_PORTABLE), kr = row;
         s[j] = dot(q, kr, a->hd) * a->scale;
+        if (a->softcap > 0.0f) s[j] = a->softcap * tanhf(s[j] / a->softcap);
         mx = s[j] > mx ? s[j] : mx;
     }
     const float sum = softmax_exp_portable(s, n, mx);
@@ -2632,7 +2640,10 @@ AVX2 static void attend_group(const void *ctx, int64_t chunk) {
                 }
             for (; x < H; x++) k1(q[x], kv.kb, j0 - f, j1 - f, hd, a->scale, sc + x * n, lo - f);
         }
-        for (int64_t x = 0; x < H; x++) sum[x] = softmax_avx2(sc + x * n, n);
+        for (int64_t x = 0; x < H; x++) {
+            softcap_scores(sc + x * n, n, a->softcap);
+            sum[x] = softmax_avx2(sc + x * n, n);
+        }
         for (int64_t j0 = lo; j0 < hi; j0 += KEY_BLOCK) {
             const int64_t j1 = j0 + KEY_BLOCK < hi ? j0 + KEY_BLOCK : hi;
             const int64_t f = kv_values(&kv, j0, j1, hd);
@@ -2755,7 +2766,10 @@ AVX2 static void attend_rows(const void *ctx, int64_t chunk) {
             if (i < NQ) k1(qf[i], keys, b0, b1, hd, a->scale, sf[i], sb[i]);
         }
         for (int64_t x = 0; x < H; x++)
-            for (int64_t r = 0; r < R; r++) sum[x][r] = softmax_avx2(s[x][r], hi[r] - lo[r]);
+            for (int64_t r = 0; r < R; r++) {
+                softcap_scores(s[x][r], hi[r] - lo[r], a->softcap);
+                sum[x][r] = softmax_avx2(s[x][r], hi[r] - lo[r]);
+            }
         /* values in ascending key order for each row: its own keys before the shared ones,
          * the shared ones (a block at a time, every row), its own keys after */
         for (int64_t x = 0; x < H; x++)
@@ -2825,10 +2839,10 @@ static int ranges_ok(int64_t T, const int64_t *lo, const int64_t *hi, int64_t ro
 /* k, v: float32, or float16 with kv16 (a cache of kv_dtype float16) */
 int spec_attend(const float *q, int64_t T, int64_t nh, int64_t nkv, int64_t hd, const void *k,
                 const void *v, int64_t rows, const int64_t *lo, const int64_t *hi, float scale,
-                float *out, int nthreads, int kv16) {
+                float softcap, float *out, int nthreads, int kv16) {
     if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || !ranges_ok(T, lo, hi, rows)) return -1;
     attn_t a = {q, kv16 ? NULL : k, kv16 ? NULL : v, out, T, nh, nkv, hd, rows, hd, T * hd, hd, T * hd, lo, hi,
-                scale, resolve_path(), 0, 0, NULL, kv16 ? k : NULL, kv16 ? v : NULL};
+                scale, resolve_path(), 0, 0, NULL, kv16 ? k : NULL, kv16 ? v : NULL, softcap};
     return run_attention(&a, nthreads);
 }
 
@@ -2850,7 +2864,7 @@ static void rope_head(const float *x, const float *cos, const float *sin, int64_
 int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_t nkv, int64_t hd,
                      const float *cos, const float *sin, void *kc, void *vc, int64_t rows,
                      int64_t start, const int64_t *lo, const int64_t *hi, float scale,
-                     float *out, int nthreads, int kv16) {
+                     float softcap, float *out, int nthreads, int kv16) {
     if (hd <= 0 || hd % 8 || nkv <= 0 || nh % nkv || ld < (nh + 2 * nkv) * hd) return -1;
     if (start < 0 || start + T > rows || !ranges_ok(T, lo, hi, rows)) return -1;
     const int path = resolve_path();
@@ -2874,7 +2888,7 @@ int spec_rope_attend(const float *qkv, int64_t T, int64_t ld, int64_t nh, int64_
         }
     }
     attn_t a = {qr, kv16 ? NULL : kc, kv16 ? NULL : vc, out, T, nh, nkv, hd, rows, nh * hd, hd, nh * hd, hd, lo,
-                hi, scale, path, 0, 0, NULL, kv16 ? kc : NULL, kv16 ? vc : NULL};
+                hi, scale, path, 0, 0, NULL, kv16 ? kc : NULL, kv16 ? vc : NULL, softcap};
     int rc = run_attention(&a, nthreads);
     free(qr);
     return rc;
@@ -3039,7 +3053,7 @@ int spec_layers(const spec_layer_t *layers, int64_t nlayers, int64_t dim, int64_
             const int64_t es = sg->kv16 ? 2 : 4, at = l * sg->layer_stride * es; /* bytes */
             rc = spec_rope_attend(a + off * ldqkv, sg->T, ldqkv, nh, nkv, hd, cos + off * hd,
                                   sin + off * hd, (uint8_t *)sg->k + at, (uint8_t *)sg->v + at,
-                                  sg->rows, sg->start, lo + off, hi + off, scale,
+                                  sg->rows, sg->start, lo + off, hi + off, scale, 0.0f,
                                   b + off * nh * hd, nthreads, (int)sg->kv16);
         }
         if (rc) break;

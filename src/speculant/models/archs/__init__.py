@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculant.models.archs import gemma3, granite, llama, qwen2, qwen3, smollm3
+from speculant.models.archs import (
+    gemma2,
+    gemma3,
+    granite,
+    llama,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)
 from speculant.models.archs.base import (
     Arch,
     ArchError,
@@ -25,7 +35,18 @@ from speculant.models.config import ModelConfig
 __all__ = ["ARCHS", "Arch", "ArchError", "config_from_gguf", "config_from_hf", "for_config"]
 
 ARCHS: dict[str, Arch] = {
-    a.name: a for a in (llama.ARCH, qwen2.ARCH, qwen3.ARCH, gemma3.ARCH, granite.ARCH, smollm3.ARCH)
+    a.name: a
+    for a in (
+        llama.ARCH,
+        qwen2.ARCH,
+        qwen3.ARCH,
+        gemma2.ARCH,
+        gemma3.ARCH,
+        granite.ARCH,
+        olmo2.ARCH,
+        phi3.ARCH,
+        smollm3.ARCH,
+    )
 }
 _BY_HF_TYPE = {t: a for a in ARCHS.values() for t in a.hf_types}
 
@@ -117,6 +138,8 @@ def config_from_gguf(index: Any) -> ModelConfig:
         )
     f = Fields(index.metadata, str(index.path), prefix=f"{arch.name}.")
     out: dict[str, Any] = {"arch": arch.name, **common_gguf(f, index)}
+    if out["rope_dim"] and not arch.partial_rotary:
+        raise f.refuse("rope.dimension_count", out["rope_dim"], f"{out['head_dim']} (all)")
     arch.gguf(f, out, index)
     check_unread(f, list(index.metadata))
     return ModelConfig(**out)

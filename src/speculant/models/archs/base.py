@@ -95,6 +95,7 @@ class Arch:
     # loader puts them back in rotate-half order.
     gguf_qk_interleaved: bool = False
     hf_norm_plus_one: bool = False  # the file stores w of an RMSNorm that multiplies by 1 + w
+    partial_rotary: bool = False  # implements heads that rotate fewer than all dimensions
     hf_names: Mapping[str, str] = field(default_factory=dict)  # role -> name, where not Llama's
     gguf_names: Mapping[str, str] = field(default_factory=dict)
 
@@ -128,8 +129,8 @@ def common_gguf(f: Fields, index: Any) -> dict[str, Any]:
     if value_dim != head_dim:
         raise f.refuse("attention.value_length", value_dim, f"only {head_dim} (key_length)")
     rope_dim = int(f.get("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise f.refuse("rope.dimension_count", rope_dim, f"only {head_dim} (the head size)")
+    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+        raise f.refuse("rope.dimension_count", rope_dim, f"an even count up to {head_dim}")
     if "token_embd.weight" not in index.tensors:
         raise ArchError(f"{f.where}: tensor token_embd.weight is missing")
     vocab = int(index.tensors["token_embd.weight"].shape[-1])  # gguf shapes are (in, out)
@@ -150,6 +151,7 @@ def common_gguf(f: Fields, index: Any) -> dict[str, Any]:
         norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-6)),
         max_seq_len=int(f.get("context_length", 4096)),
         tie_embeddings="output.weight" not in index.tensors,
+        rope_dim=0 if rope_dim == head_dim else rope_dim,
     )
 
 
@@ -216,12 +218,27 @@ def yarn_attn_factor(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def longrope_inv_freq(rope_dim: int, theta: float, factors: Any) -> torch.Tensor:
+    """LongRoPE's frequencies: theta's, each divided by its own factor (float32, in
+    transformers' order of operations)."""
+    ext = torch.as_tensor(factors, dtype=torch.float32).reshape(-1)
+    shape = torch.arange(0, rope_dim, 2, dtype=torch.int64).float() / rope_dim
+    return 1.0 / (ext * theta**shape)
+
+
+def longrope_attn_factor(factor: float, original_context: int) -> float:
+    """LongRoPE's default attention factor (cos and sin are multiplied by it)."""
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original_context))
+
+
 @dataclass(frozen=True)
 class Rope:
     theta: float
     linear_factor: float = 1.0
     inv_freq: tuple[float, ...] = ()
     attn_factor: float = 1.0
+    inv_freq_long: tuple[float, ...] = ()  # LongRoPE: past long_context positions
+    long_context: int = 0
 
     def fields(self) -> dict[str, Any]:
         return dict(
@@ -229,6 +246,8 @@ class Rope:
             rope_scaling_factor=self.linear_factor,
             rope_inv_freq=self.inv_freq,
             rope_attn_factor=self.attn_factor,
+            rope_inv_freq_long=self.inv_freq_long,
+            rope_long_context=self.long_context,
         )
 
 
@@ -282,13 +301,33 @@ def hf_rope(f: Fields, head_dim: int, kind: str | None = None) -> Rope:
         )
         return Rope(theta, inv_freq=tuple(inv.tolist()), attn_factor=float(attn))
     key = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
-    raise f.refuse(key, {"rope_type": rope_type}, "rope types default, linear, llama3, yarn")
+    if rope_type == "longrope":
+        if "long_factor" not in spec or "short_factor" not in spec:
+            raise f.refuse(key, spec, "longrope needs long_factor and short_factor")
+        original = int(
+            spec.get("original_max_position_embeddings")
+            or f.need("original_max_position_embeddings")
+        )
+        factor = spec.get("factor") or int(f.need("max_position_embeddings")) / original
+        attn = spec.get("attention_factor")
+        attn = longrope_attn_factor(float(factor), original) if attn is None else float(attn)
+        return Rope(
+            theta,
+            inv_freq=tuple(longrope_inv_freq(head_dim, theta, spec["short_factor"]).tolist()),
+            attn_factor=attn,
+            inv_freq_long=tuple(longrope_inv_freq(head_dim, theta, spec["long_factor"]).tolist()),
+            long_context=original,
+        )
+    raise f.refuse(
+        key, {"rope_type": rope_type}, "rope types default, linear, llama3, yarn, longrope"
+    )
 
 
 def gguf_rope(f: Fields, index: Any, head_dim: int) -> Rope:
-    """The rotary embedding a GGUF file asks for: its base, a linear scaling, and the
+    """The rotary embedding a GGUF file asks for: its base, a linear scaling, the
     per-frequency divisors of a `rope_freqs.weight` tensor (Llama 3.1's scaling as
-    llama.cpp's converter writes it)."""
+    llama.cpp's converter writes it), or LongRoPE's `rope_factors_short` / `_long`
+    (Phi-3's). `head_dim`: the rotated dimensions of a head."""
     theta = float(f.get("rope.freq_base", 10000.0))
     scaling = f.get("rope.scaling.type", "linear")  # llama.cpp's default
     factor = float(f.get("rope.scaling.factor", 1.0))
@@ -313,6 +352,26 @@ def gguf_rope(f: Fields, index: Any, head_dim: int) -> Rope:
         raise f.refuse("rope.scaling.type", scaling, "none, linear or yarn")
     if scaling == "none":
         factor = 1.0
+    if "rope_factors_long.weight" in index.tensors:
+        factors = {}
+        for kind in ("short", "long"):
+            name = f"rope_factors_{kind}.weight"
+            if name not in index.tensors:
+                raise ArchError(f"{f.where}: {name} is missing beside rope_factors_long.weight")
+            factors[kind] = gguf_float(index, name)
+            if factors[kind].numel() != head_dim // 2:
+                raise ArchError(
+                    f"{f.where}: {name} has {factors[kind].numel()} values: need "
+                    f"{head_dim // 2} (half the rotated dimensions)"
+                )
+        return Rope(
+            theta,
+            linear_factor=factor,
+            inv_freq=tuple(longrope_inv_freq(head_dim, theta, factors["short"]).tolist()),
+            attn_factor=attn,
+            inv_freq_long=tuple(longrope_inv_freq(head_dim, theta, factors["long"]).tolist()),
+            long_context=original,
+        )
     inv_freq: tuple[float, ...] = ()
     if "rope_freqs.weight" in index.tensors:
         divisors = gguf_float(index, "rope_freqs.weight").reshape(-1)
