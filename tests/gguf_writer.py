@@ -101,6 +101,7 @@ def write_gguf(
     qtype_name: str = "Q8_0",
     round_trip: bool = True,
     chat_template: str = CHATML,
+    renamed: dict[int, str] | None = None,
 ) -> Path:
     """Write `model` (a transformers CausalLM) as a GGUF file at `path`; with
     round_trip, the model's matrices become their dequantized values."""
@@ -166,6 +167,8 @@ def write_gguf(
     tokens += [f"<|unused{i}|>" for i in range(cfg.vocab_size - len(tokens))]
     if arch.startswith("gemma"):  # transformers' Gemma tokenizer adds one if it is missing
         tokens[-1] = "<mask>"
+    for idx, token in (renamed or {}).items():  # a vocabulary that differs at these ids
+        tokens[idx] = token
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")

@@ -27,6 +27,7 @@ from oracles import plain_greedy
 from test_native import _speculation_equals_plain, _tree_nodes_equal_chains
 
 from speculant import Engine, SamplingParams, load_model
+from speculant.models.archs import ARCHS
 from speculant.models.loader import ModelLoadError
 from speculant.models.model import Model
 
@@ -255,8 +256,8 @@ def test_speculation_equals_plain(name: str, dtype: str, root: Path) -> None:
     for method in [m for m in available_methods() if m not in ("none", "draft")]:
         options = None
         if method == "eagle":
-            if model.config.arch not in ("llama", "qwen2"):
-                continue  # EAGLE heads are built for llama and qwen2 targets
+            if ARCHS[model.config.arch].eagle_class is None:
+                continue  # EAGLE heads are built for the families that name a class
             options = tiny_eagle_options(model)
         engine = Engine(
             model,
@@ -341,3 +342,47 @@ def _gguf_type(value: Any) -> Any:
     if isinstance(value, float):
         return GGUFValueType.FLOAT32
     return GGUFValueType.STRING
+
+
+def test_longrope_table_is_chosen_per_sequence(root: Path) -> None:
+    """Phi-3's LongRoPE: a sequence whose context exceeds the original one rotates with
+    the long factors (its cache says so, as llama.cpp decides by its context); a cached
+    prefix is reused only into a cache of the same table."""
+    from speculant.prefix_cache import BLOCK, PrefixCache
+
+    b = built("phi3", root)
+    model = load_model(b.folder, dtype="float32", progress=False)
+    short, long = model.new_cache(200), model.new_cache(300)
+    assert (short.rope_variant, long.rope_variant) == (0, 1)
+    ids = ids_of(2 * BLOCK, 9)
+    a = model.forward(ids, short, 0)
+    c = model.forward(ids, long, 0)
+    assert not torch.allclose(a, c, atol=1e-3)  # the tables differ from position 1
+    prefixes = PrefixCache(1 << 26)
+    prefixes.store(ids, short)
+    assert prefixes.lookup(ids, model.new_cache(300), len(ids)) == 0
+    assert prefixes.lookup(ids, model.new_cache(200), len(ids)) == 2 * BLOCK
+
+
+def test_any_pair_of_files_whose_vocabularies_agree(root: Path, tmp_path: Path) -> None:
+    """A draft of another family pairs with the target when their token lists agree (a
+    larger draft vocabulary too: its extra ids are never drafted), and greedy speculation
+    equals plain; a vocabulary that differs at one id is refused, naming it."""
+    import transformers as tf
+
+    from speculant.proposers import TokenizerMismatchError
+
+    target = load_model(built("qwen3", root).q8, dtype="gguf", progress=False)
+    torch.manual_seed(7)
+    cfg = tf.LlamaConfig(**{**TINY, "vocab_size": 352, "num_hidden_layers": 1})
+    small = tf.LlamaForCausalLM(cfg).eval()
+    superset = write_gguf(small, tmp_path / "draft-superset.gguf", "Q8_0")
+    draft = load_model(superset, dtype="gguf", progress=False)
+    assert draft.tokenizer is not None and draft.tokenizer.vocab_size > 320
+    ids = ids_of(20, 4) + ids_of(6, 4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = Engine(target, draft=draft, num_speculative_tokens=4)
+    assert engine.generate(ids, params).token_ids == plain_greedy(target, ids, 24)
+    other = write_gguf(small, tmp_path / "draft-other.gguf", "Q8_0", renamed={40: "zzz"})
+    with pytest.raises(TokenizerMismatchError, match="token id 40 is 'zzz' in the draft"):
+        Engine(target, draft=load_model(other, dtype="gguf", progress=False))

@@ -48,6 +48,9 @@ class KVCache:
         self.capacity = capacity
         self.rows = rows
         self.length = 0  # number of valid positions, [0, length)
+        # Which of its model's rotary tables rotates this sequence's keys: 1 for
+        # LongRoPE's long one (set by the model's new_cache), else 0.
+        self.rope_variant = 0
 
     def write(self, layer: int, start: int, k_new: Tensor, v_new: Tensor) -> None:
         """k_new, v_new: [1, n_kv_heads, t, head_dim] for positions start .. start+t-1."""
@@ -126,6 +129,7 @@ class KVCache:
         self.k[:, :, :, :n] = other.k[:, :, :, :n]
         self.v[:, :, :, :n] = other.v[:, :, :, :n]
         self.length = n
+        self.rope_variant = other.rope_variant  # its keys' rotary table goes on
 
     @property
     def nbytes(self) -> int:

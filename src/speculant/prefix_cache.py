@@ -35,6 +35,7 @@ class _Entry:
     k: Tensor  # [n_layers, 1, n_kv_heads, len(tokens), head_dim]
     v: Tensor
     keys: list[int]  # its block hashes
+    rope_variant: int = 0  # the rotary table its keys were written with (KVCache's)
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +80,8 @@ class PrefixCache:
             end = (i + 1) * BLOCK
             if self._entries[entry_id].tokens[:end] != list(prompt[:end]):
                 break  # a hash collision
+            if self._entries[entry_id].rope_variant != cache.rope_variant:
+                break  # keys rotated by another table (LongRoPE's short / long)
             best_id, n = entry_id, end
         if n == 0:
             return 0
@@ -106,6 +109,7 @@ class PrefixCache:
             cache.k[:, :, :, :n].clone(),
             cache.v[:, :, :, :n].clone(),
             keys,
+            cache.rope_variant,
         )
         if entry.nbytes > self.max_bytes:
             return

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from speculant.eagle.head import EagleHead, HeadConfig, load_head
+from speculant.models import archs
 
 # our parameter name -> the EAGLE checkpoint's
 _NAMES = {
@@ -73,7 +74,7 @@ def eagle_config(cfg: HeadConfig, engine: str, max_positions: int = 32768) -> di
     if engine == "vllm":
         arch, model_type = "LlamaForCausalLM", "llama"
     else:
-        arch = "Qwen2ForCausalLMEagle" if cfg.arch == "qwen2" else "LlamaForCausalLMEagle"
+        arch = archs.ARCHS[cfg.arch].eagle_class or "LlamaForCausalLMEagle"
         model_type = cfg.arch
     config: dict[str, object] = {
         "architectures": [arch],

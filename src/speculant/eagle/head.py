@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from speculant.models import archs
 from speculant.models.config import ModelConfig
 from speculant.models.decoder import (
     GGUFWeight,
@@ -55,7 +56,7 @@ class HeadConfig:
 
     target: str  # the target model's name (registry name or path)
     target_fingerprint: str  # the target tokenizer's fingerprint: heads are per target
-    arch: str  # llama or qwen2
+    arch: str  # the target's family (one whose description names an EAGLE class)
     dim: int
     n_heads: int
     n_kv_heads: int
@@ -73,8 +74,7 @@ class HeadConfig:
     def for_target(
         cls, name: str, fingerprint: str, config: ModelConfig, draft_vocab_size: int
     ) -> HeadConfig:
-        if config.arch not in ("llama", "qwen2"):
-            raise ValueError(f"EAGLE heads support llama and qwen2 targets, not {config.arch!r}")
+        archs.check_eagle_target(config)  # an ArchError (a ValueError) names the families
         return cls(
             target=name,
             target_fingerprint=fingerprint,

@@ -44,6 +44,7 @@ from speculant.eagle.data import (
     sequences,
 )
 from speculant.eagle.head import EagleHead, HeadConfig, save_head
+from speculant.models import archs
 from speculant.models.decoder import GGUFWeight
 from speculant.models.model import Model
 
@@ -208,8 +209,10 @@ def run(
 
     from speculant.proposers.eagle import dense_rows
 
-    if target.config.arch not in ("llama", "qwen2"):
-        raise TrainError(f"EAGLE heads support llama and qwen2 targets, not {target.config.arch!r}")
+    try:
+        archs.check_eagle_target(target.config)
+    except archs.ArchError as exc:
+        raise TrainError(str(exc)) from None
     if target.tokenizer is None:
         raise TrainError(f"target {target_name!r} has no tokenizer to render the corpus with")
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,11 @@
-"""`speculant models list | pull | verify`: the built-in models, and checking model files."""
+"""`speculant models list | pull | add | remove | verify`: the built-in models, a user's
+own models recorded under a name, and checking model files."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from speculant.argtypes import CliError
@@ -31,6 +33,24 @@ def add_parsers(sub: Any) -> None:
     pull.add_argument("names", nargs="+", metavar="NAME")
     pull.add_argument("--force", action="store_true", help="fetch again even if present")
     pull.set_defaults(func=cmd_models_pull)
+    add = msub.add_parser(
+        "add",
+        help="record your own .gguf file (or Hugging Face folder) under a name, with its SHA-256",
+        description="Record a model file of your own under a name: its header is read (an "
+        "architecture or setting Speculant does not implement is refused now, not at the "
+        "first load) and its SHA-256 is kept, so that loading it later, by the name or by "
+        "its path, verifies it as pulled models are verified. A folder's digests go in a "
+        "manifest.json inside it. Example: speculant models add ~/models/llama-3.1-8b.Q4_K_M.gguf "
+        "--name llama-8b, then speculant generate --target llama-8b ...",
+    )
+    add.add_argument("path", metavar="PATH", help="a .gguf file or a Hugging Face model folder")
+    add.add_argument("--name", default=None, help="the name to use (default: the file's stem)")
+    add.set_defaults(func=cmd_models_add)
+    remove = msub.add_parser(
+        "remove", help="forget a model recorded by `models add` (its file is kept)"
+    )
+    remove.add_argument("name", metavar="NAME")
+    remove.set_defaults(func=cmd_models_remove)
     _add_verify_args(
         msub.add_parser(
             "verify",
@@ -87,6 +107,38 @@ def cmd_models_list(args: argparse.Namespace) -> int:
             "int8 weights through PyTorch"
         )
     Console().print(table)
+    from speculant.models import added
+
+    mine = added.records()
+    if mine:
+        own = Table(title="added models (speculant models add)")
+        for col in ("name", "path", "present"):
+            own.add_column(col)
+        for name, entry in sorted(mine.items()):
+            own.add_row(name, entry["path"], "yes" if Path(entry["path"]).exists() else "NO")
+        Console().print(own)
+    return 0
+
+
+def cmd_models_add(args: argparse.Namespace) -> int:
+    from speculant.models import added
+
+    try:
+        name, what = added.add(Path(args.path), args.name)
+    except added.AddError as exc:
+        raise CliError(str(exc)) from None
+    print(f"added {name}: {what}; load it as --target {name} (or by its path, verified)")
+    return 0
+
+
+def cmd_models_remove(args: argparse.Namespace) -> int:
+    from speculant.models import added
+
+    try:
+        path = added.remove(args.name)
+    except added.AddError as exc:
+        raise CliError(str(exc)) from None
+    print(f"removed {args.name} (the file {path} is kept)")
     return 0
 
 
@@ -102,8 +154,6 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def _is_eagle_head(folder: object) -> bool:
-    from pathlib import Path
-
     from speculant.eagle.head import HEAD_FORMAT
 
     try:
@@ -116,9 +166,7 @@ def _is_eagle_head(folder: object) -> bool:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-hash each target: a built-in name against the registry, a file, folder or
     EAGLE head against its manifest.json (or write that manifest)."""
-    from pathlib import Path
-
-    from speculant.models import integrity, registry
+    from speculant.models import added, integrity, registry
 
     bad = 0
     for target in args.targets:
@@ -128,6 +176,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"{target}: {'ok' if ok else 'MISMATCH or missing'}")
             bad += not ok
             continue
+        recorded = added.path_of(target)
+        if recorded is not None and not path.exists():
+            path = recorded  # a name recorded by `models add`: its file or folder
+            if not path.exists():
+                print(f"{target}: MISSING ({path} no longer exists)")
+                bad += 1
+                continue
         if not path.exists():
             known = ", ".join(sorted(registry.KNOWN_MODELS))
             raise CliError(f"{target!r} is neither a built-in model ({known}) nor an existing path")

@@ -180,7 +180,10 @@ class Transformer:
         """A cache of `capacity` positions, of kv_dtype (default: set_kv_dtype's)."""
         c = self.config
         dtype = self.kv_dtype if kv_dtype is None else self._check_kv_dtype(kv_dtype)
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype)
+        cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype)
+        if self._rope_long is not None and capacity > c.rope_long_context:
+            cache.rope_variant = 1  # LongRoPE: a context past the original one
+        return cache
 
     @torch.inference_mode()
     def forward(
@@ -384,11 +387,10 @@ class Transformer:
 
     def _full_table(self, cache: KVCache) -> Tensor:
         """The full layers' rotary table of a sequence: LongRoPE's long one where its cache
-        holds more than the original context (llama.cpp's rule, with the sequence's
-        context), else the usual one."""
-        long = self._rope_long
-        if long is not None and cache.capacity > self.config.rope_long_context:
-            return long
+        holds more than the original context (`new_cache` decides: llama.cpp's rule, with
+        the sequence's context), else the usual one."""
+        if self._rope_long is not None and cache.rope_variant == 1:
+            return self._rope_long
         return self._rope_full
 
     def _segment_context(self, seg: Segment, rows: int) -> _SegmentContext:

@@ -123,13 +123,19 @@ def file_sha256(path: Path, *, progress: bool = True) -> str:
 
 def expected_digest(path: Path) -> tuple[str, str] | None:
     """(digest, where it comes from) for a model file: the registry entry whose file this
-    is, else a manifest.json beside it that names it; None when nothing vouches for it."""
+    is, else the record of `speculant models add`, else a manifest.json beside it that
+    names it; None when nothing vouches for it."""
     # registry imports this module, so its catalogue is looked up at call time.
     from speculant.models.registry import KNOWN_MODELS, model_path
 
     for model in KNOWN_MODELS.values():
         if path.resolve() == model_path(model.name).resolve():
             return model.sha256, f"the registry entry {model.name}"
+    from speculant.models import added
+
+    recorded = added.digest_for(path)
+    if recorded is not None:
+        return recorded
     manifest = path.parent / MANIFEST
     listed = read_manifest(path.parent).get(path.name)
     return (listed, str(manifest)) if listed is not None else None
@@ -233,10 +239,14 @@ def check_integrity(path: Path, *, trust_unverified: bool = False, progress: boo
     actual = file_sha256(path, progress=progress)
     if actual == digest:
         return True
+    if "models add" in source:
+        fix = "if you changed it yourself, record it again (speculant models add PATH --name NAME)"
+    else:
+        fix = "pull it again (speculant models pull NAME --force)"
     message = (
         f"{path} fails its integrity check: {source} expects sha256 {digest}, the file has "
-        f"{actual}. It is corrupt or was replaced: pull it again (speculant models pull "
-        "NAME --force), or pass --trust-unverified to load it anyway"
+        f"{actual}. It is corrupt or was replaced: {fix}, or pass --trust-unverified to "
+        "load it anyway"
     )
     if trust_unverified:
         _warn(f"loading an unverified file: {message}")

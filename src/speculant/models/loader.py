@@ -342,17 +342,28 @@ def load_gguf_native(
 
 # ----------------------------------------------------------------------------- names
 def builtin_model_path(name: str, progress: bool = True) -> Path:
-    """The GGUF file of the built-in model `name`, pulled on first use. Anything else that
-    is not an existing path is refused, naming what is allowed. The download registry is
+    """The GGUF file of the built-in model `name`, pulled on first use, or the file or
+    folder a user recorded under `name` (speculant models add). Anything else that is not
+    an existing path is refused, naming what is allowed. The download registry is
     reached only here, and only for a name (`load_model` of a path never imports it)."""
-    from speculant.models import registry
+    from speculant.models import added, registry
 
     if name in registry.KNOWN_MODELS:
         return registry.pull(name, progress=progress)
+    recorded = added.path_of(name)
+    if recorded is not None:
+        if not recorded.exists():
+            raise ModelLoadError(
+                f"model {name!r} was added from {recorded}, which no longer exists: add it "
+                "again (speculant models add PATH --name NAME) or remove it"
+            )
+        return recorded
     if name.endswith(".gguf") or "/" in name or name.startswith("."):
         raise ModelLoadError(f"model file or folder {name!r} does not exist")
     known = ", ".join(sorted(registry.KNOWN_MODELS))
+    mine = ", ".join(sorted(added.records()))
     raise registry.UnknownModelError(
-        f"unknown model {name!r}: use a built-in name ({known}), a .gguf file, "
-        "or a Hugging Face folder with config.json and *.safetensors"
+        f"unknown model {name!r}: use a built-in name ({known})"
+        + (f", an added one ({mine})" if mine else "")
+        + ", a .gguf file, or a Hugging Face folder with config.json and *.safetensors"
     )

@@ -188,16 +188,18 @@ class Tokenizer:
             text = _clean_up_tokenization(text)
         return text
 
-    def fingerprint(self) -> str:
-        """sha256 (hex) of the full ordered vocabulary, id -> token string.
+    def tokens(self) -> list[str | None]:
+        """The vocabulary in id order: token i's string (None for an id without one)."""
+        by_id: list[str | None] = [None] * self.vocab_size
+        for token, idx in self._backend.get_vocab(with_added_tokens=True).items():
+            by_id[idx] = token
+        return by_id
 
-        Two models can pair as target/draft only if their fingerprints are equal.
-        """
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the full ordered vocabulary, id -> token string (an EAGLE head
+        records its target's)."""
         if self._fingerprint is None:
-            by_id: list[str | None] = [None] * self.vocab_size
-            for token, idx in self._backend.get_vocab(with_added_tokens=True).items():
-                by_id[idx] = token
-            blob = json.dumps(by_id, ensure_ascii=False, separators=(",", ":"))
+            blob = json.dumps(self.tokens(), ensure_ascii=False, separators=(",", ":"))
             self._fingerprint = hashlib.sha256(blob.encode("utf-8")).hexdigest()
         return self._fingerprint
 

@@ -27,30 +27,44 @@ class TokenizerMismatchError(ValueError):
     """Target and draft do not share a tokenizer, so draft ids mean nothing to the target."""
 
 
-def check_pairing(target: Model, draft: Model) -> None:
-    """Refuse a draft whose token ids do not mean the same text as the target's."""
+def check_pairing(target: Model, draft: Model) -> int:
+    """Refuse a draft whose token ids do not mean the same text as the target's; return
+    how many of the draft's logits it drafts from (ids the target also has).
+
+    The two vocabularies are compared token by token, whatever the models are called: a
+    draft whose tokens are the target's, or the target's and more after them (a superset
+    where the ids agree), drafts; the first id whose token differs is named otherwise."""
     tt, dt = target.tokenizer, draft.tokenizer
+    problem = None
     if tt is None and dt is None:
-        same = draft.vocab_size == target.vocab_size
-        detail = f"vocab sizes {draft.vocab_size} vs {target.vocab_size}"
+        if draft.vocab_size != target.vocab_size:
+            problem = f"vocab sizes {draft.vocab_size} vs {target.vocab_size}"
     elif tt is None or dt is None:
-        same = False
-        detail = "only one of them has a tokenizer"
+        problem = "only one of them has a tokenizer"
     else:
-        same = tt.fingerprint() == dt.fingerprint()
-        detail = f"vocabularies differ ({dt.vocab_size} vs {tt.vocab_size} tokens)"
-    if not same:
-        raise TokenizerMismatchError(
-            f"draft {draft.name!r} cannot draft for target {target.name!r}: {detail}. "
-            "Use a draft of the same model family with the same tokenizer "
-            "(for example qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), "
-            "or a draft-free method."
+        ours, theirs = tt.tokens(), dt.tokens()
+        first = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None
         )
-    if draft.vocab_size > target.vocab_size:
+        if first is not None:
+            problem = (
+                f"token id {first} is {theirs[first]!r} in the draft but {ours[first]!r} in "
+                "the target"
+            )
+        elif len(theirs) < len(ours):
+            problem = (
+                f"the draft's vocabulary stops at {len(theirs)} tokens, the target's has "
+                f"{len(ours)}"
+            )
+    if problem is not None:
         raise TokenizerMismatchError(
-            f"draft {draft.name!r} has {draft.vocab_size} logits, more than the target's "
-            f"{target.vocab_size}"
+            f"draft {draft.name!r} cannot draft for target {target.name!r}: {problem}. "
+            "Use a draft whose vocabulary is the target's (for example "
+            "qwen2.5-coder-0.5b-instruct for qwen2.5-coder-1.5b-instruct), or a draft-free "
+            "method."
         )
+    # a larger draft vocabulary (a superset): its extra ids are never drafted
+    return min(draft.vocab_size, target.vocab_size)
 
 
 @register("draft")
@@ -60,7 +74,7 @@ class DraftModelProposer:
     def __init__(self, target: Model, draft: Model | None = None, **_: Any) -> None:
         if draft is None:
             raise ValueError("method 'draft' needs a draft model (--draft NAME)")
-        check_pairing(target, draft)
+        self._limit = check_pairing(target, draft)  # logits drafted from: ids both have
         self.model = draft
         self._cache: KVCache | None = None
         self._cached_ids: list[int] = []  # ids whose keys/values are in the cache, in order
@@ -165,7 +179,8 @@ class DraftModelProposer:
             for j in active:
                 # the target's penalties too (each draft counted as output): q closer to p
                 history = [[*contexts[j], *ids[j]]] if params[j].penalized else []
-                logits = penalize(last[j][None], params[j], history, proposers[j]._prompt_len)
+                row = last[j][: proposers[j]._limit]  # ids the target has too
+                logits = penalize(row[None], params[j], history, proposers[j]._prompt_len)
                 q = process_logits(logits, params[j])  # [1, vocab_q]
                 token = draw(q, params[j], generators[j], len(contexts[j]) + i)
                 ids[j].append(token)

@@ -97,6 +97,16 @@ def for_config(config: ModelConfig) -> Arch:
     return ARCHS[config.arch]
 
 
+def check_eagle_target(config: ModelConfig) -> str:
+    """The SGLang class of an EAGLE head for a target of `config`'s family; a family whose
+    description names none is refused by name."""
+    name = ARCHS[config.arch].eagle_class
+    if name is None:
+        allowed = ", ".join(sorted(a.name for a in ARCHS.values() if a.eagle_class))
+        raise ArchError(f"EAGLE heads support {allowed} targets, not {config.arch!r}")
+    return name
+
+
 def hf_names(arch: Arch) -> dict[str, str]:
     return {**HF_NAMES, **arch.hf_names}
 

@@ -96,6 +96,9 @@ class Arch:
     gguf_qk_interleaved: bool = False
     hf_norm_plus_one: bool = False  # the file stores w of an RMSNorm that multiplies by 1 + w
     partial_rotary: bool = False  # implements heads that rotate fewer than all dimensions
+    # SGLang's class for an EAGLE head of this family's targets (speculant eagle export);
+    # None: EAGLE heads are not built for its targets
+    eagle_class: str | None = None
     hf_names: Mapping[str, str] = field(default_factory=dict)  # role -> name, where not Llama's
     gguf_names: Mapping[str, str] = field(default_factory=dict)
 

@@ -32,4 +32,11 @@ def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     _window(out, f.get("attention.sliding_window"))
 
 
-ARCH = Arch("llama", ("llama", "mistral"), hf, gguf, gguf_qk_interleaved=True)
+ARCH = Arch(
+    "llama",
+    ("llama", "mistral"),
+    hf,
+    gguf,
+    gguf_qk_interleaved=True,
+    eagle_class="LlamaForCausalLMEagle",
+)

@@ -19,4 +19,4 @@ def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     out.update(gguf_rope(f, index, out["head_dim"]).fields(), qkv_bias=True)
 
 
-ARCH = Arch("qwen2", ("qwen2",), hf, gguf)
+ARCH = Arch("qwen2", ("qwen2",), hf, gguf, eagle_class="Qwen2ForCausalLMEagle")
