@@ -76,6 +76,7 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"rope_parameters": YARN},
         {"rope_inv_freq": (), "rope_attn_factor": 1.0},
     ),
+    "qwen2": ("Qwen2", {}, {"qkv_bias": False}),
     "qwen3": ("Qwen3", {}, {"qk_norm": False}),
     "granite": (
         "Granite",
@@ -126,6 +127,8 @@ def hf_model(name: str, seed: int = 0) -> Any:
                 p.normal_(1.0, 0.2)  # non-trivial norms (a swapped pair would show)
             elif p.dim() == 2:
                 p.mul_(2.5)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.5)  # transformers starts biases at zero
     return model.eval()
 
 
@@ -197,6 +200,9 @@ def test_folder_and_float_gguf_match_transformers(name: str, root: Path) -> None
     if "qk_norm" in neutral:  # the decoder applies the norms it is given
         layers = [dataclasses.replace(lw, q_norm=None, k_norm=None) for lw in weights.layers]
         weights = dataclasses.replace(weights, layers=layers)
+    if "qkv_bias" in neutral:  # ... and the biases
+        layers = [dataclasses.replace(lw, bqkv=None) for lw in weights.layers]
+        weights = dataclasses.replace(weights, layers=layers)
     ignored = Transformer(plain, weights, torch.float32)
     long_ids = ids_of(700, 5)  # past the tiny rope scalings' original contexts
     with torch.no_grad():
@@ -233,6 +239,8 @@ def test_native_q8_file_tracks_transformers(name: str, root: Path) -> None:
     b = built(name, root)
     model = load_model(b.q8, dtype="gguf", progress=False)
     assert model.net.native_ops
+    # plain pre-norm layers (a window shared by every layer included) run in one call
+    assert model.net._fusable() == (name in ("llama3-rope", "llama-yarn", "qwen2", "phi3"))
     ids = ids_of(48, 3)
     assert_native_tracks(our_logits(model, ids), hf_logits(b.ref, ids))
 
@@ -241,7 +249,8 @@ def test_native_q8_file_tracks_transformers(name: str, root: Path) -> None:
 @pytest.mark.parametrize("dtype", ["gguf", "float32"])
 def test_speculation_equals_plain(name: str, dtype: str, root: Path) -> None:
     """Every proposer's greedy output equals plain decoding, drafts rejected at every
-    position; a tree's nodes equal their chains."""
+    position; a tree's nodes equal their chains; two sequences batched with chunked
+    prefill equal plain decoding too."""
     from conftest import tiny_eagle_options
 
     from speculant.proposers import available_methods
@@ -266,6 +275,17 @@ def test_speculation_equals_plain(name: str, dtype: str, root: Path) -> None:
             proposer_options=options,
         )
         assert engine.generate(ids, params).token_ids == reference, method
+    # two sequences in one scheduler, their prompts prefilled in chunks of 8 rows
+    other = ids_of(30, 6)
+    sched = Engine(model, method="ngram", num_speculative_tokens=4).scheduler(8)
+    sched.add(0, ids, params)
+    sched.add(1, other, params)
+    done = {}
+    while sched.busy:
+        for event in sched.step():
+            if event.result is not None:
+                done[event.seq.request_id] = event.result.token_ids
+    assert done == {0: reference, 1: plain_greedy(model, other, 24)}
 
 
 def test_unimplemented_settings_are_refused_by_name(root: Path, tmp_path: Path) -> None:

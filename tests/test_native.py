@@ -892,13 +892,21 @@ def _tiny_native_transformer(qkv_bias: bool, seed: int = 0):  # type: ignore[no-
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_fused_layers_equal_the_layer_by_layer_pass(qkv_bias: bool, kv_dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("window", [None, 9])
+def test_fused_layers_equal_the_layer_by_layer_pass(qkv_bias: bool, kv_dtype, window) -> None:  # type: ignore[no-untyped-def]
     """All layers in one native call give bitwise the logits, features and cache rows of
     the same layers run one operation at a time: a prompt, a decode step, a verify pass,
-    and a batch of two sequences at different positions; with float32 and float16 caches."""
+    and a batch of two sequences at different positions; with float32 and float16 caches;
+    with every layer seeing a 9-token sliding window (Mistral, Phi-3) or all keys."""
+    import dataclasses
+
     from speculant.models.segment import Segment
 
     net = _tiny_native_transformer(qkv_bias)
+    if window:
+        net.config = dataclasses.replace(
+            net.config, sliding_window=window, layer_types=("sliding",) * net.config.n_layers
+        )
     net.set_kv_dtype(kv_dtype)
     assert net.native_ops and net._fusable() and net.new_cache(8).k.dtype == kv_dtype
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))

@@ -123,6 +123,7 @@ class Transformer:
         self._row_padding: Padding | None = (1, 1) if self.native_ops else None
         self._layer_table: native.LayerTable | None = None
         self._unfusable = False  # decided: these layers cannot run in one call
+        self._fused_window = False  # the fused layers all slide (Mistral, Phi-3)
         self.fuse_layers = True  # False: the layers one operation at a time (tests, A/B)
         n_pos = config.max_seq_len + 16
 
@@ -317,8 +318,8 @@ class Transformer:
     def _fusable(self) -> bool:
         """Whether the layers run natively in one call (`_fused_layers`): GGUF weights on
         the native kernels, and pre-norm layers of the plain Llama / Qwen2 kind (no q/k
-        norms, no post-norms, SiLU, no sliding window, every layer rotated, no residual
-        scale). Decided once per model."""
+        norms, no post-norms, SiLU, one sliding window for every layer or none, every
+        layer rotated, no residual scale, no soft-cap). Decided once per model."""
         if not self.fuse_layers:
             return False
         if self._layer_table is None and not self._unfusable:
@@ -332,8 +333,10 @@ class Transformer:
             return None
         if c.no_rope_layers or c.residual_scale != 1.0 or c.attn_softcap:
             return None
-        if any(c.is_sliding(i) for i in range(c.n_layers)):
+        sliding = {c.is_sliding(i) for i in range(c.n_layers)}
+        if len(sliding) > 1:  # one key range per row serves every layer, or none
             return None
+        self._fused_window = sliding == {True}  # every layer sees the same window
         parts: list[native.LayerParts] = []
         for lw in self.weights.layers:
             if lw.q_norm is not None or lw.post_attn_norm is not None:
@@ -378,7 +381,7 @@ class Transformer:
         los, his = [], []
         for sc in ctx:
             assert sc.ranges is not None  # chains on the native path
-            los.append(sc.ranges[0])
+            los.append(sc.ranges[1] if self._fused_window else sc.ranges[0])
             his.append(sc.ranges[2])
         lo, hi = torch.cat(los), torch.cat(his)
         cos = torch.cat([sc.rope_full[0] for sc in ctx])

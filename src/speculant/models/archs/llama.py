@@ -13,7 +13,7 @@ from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope
 
 def _window(out: dict[str, Any], window: Any) -> None:
     """Mistral's sliding window: every layer sees the last `window` positions."""
-    if window:
+    if window and int(window) < out["max_seq_len"]:  # a wider window changes nothing
         out["sliding_window"] = int(window)
         out["layer_types"] = ("sliding",) * out["n_layers"]
 

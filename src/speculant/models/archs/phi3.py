@@ -19,7 +19,7 @@ def _rotary(out: dict[str, Any], rope_dim: int) -> None:
 
 
 def _window(out: dict[str, Any], window: Any) -> None:
-    if window:
+    if window and int(window) < out["max_seq_len"]:  # a wider window changes nothing
         out["sliding_window"] = int(window)
         out["layer_types"] = ("sliding",) * out["n_layers"]
 
