@@ -304,7 +304,7 @@ def hf_rope(f: Fields, head_dim: int, kind: str | None = None) -> Rope:
         )
         return Rope(theta, inv_freq=tuple(inv.tolist()), attn_factor=float(attn))
     key = "rope_parameters" if isinstance(params, dict) else "rope_scaling"
-    if rope_type == "longrope":
+    if rope_type in ("longrope", "su"):  # "su": the first Phi-3 128k configs' name
         if "long_factor" not in spec or "short_factor" not in spec:
             raise f.refuse(key, spec, "longrope needs long_factor and short_factor")
         original = int(
