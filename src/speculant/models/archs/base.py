@@ -158,6 +158,14 @@ def common_gguf(f: Fields, index: Any) -> dict[str, Any]:
     )
 
 
+def window_on_every_layer(out: dict[str, Any], window: Any) -> None:
+    """A sliding window that every layer applies (Mistral, Phi-3); a window no narrower
+    than the context changes nothing and is left out (so the layers can run fused)."""
+    if window and int(window) < out["max_seq_len"]:
+        out["sliding_window"] = int(window)
+        out["layer_types"] = ("sliding",) * out["n_layers"]
+
+
 # ---------------------------------------------------------------------------- rope
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """theta ** (-2i / head_dim), [head_dim / 2] float32, computed as transformers does."""

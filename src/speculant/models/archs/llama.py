@@ -8,14 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope
-
-
-def _window(out: dict[str, Any], window: Any) -> None:
-    """Mistral's sliding window: every layer sees the last `window` positions."""
-    if window and int(window) < out["max_seq_len"]:  # a wider window changes nothing
-        out["sliding_window"] = int(window)
-        out["layer_types"] = ("sliding",) * out["n_layers"]
+from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope, window_on_every_layer
 
 
 def hf(f: Fields, out: dict[str, Any]) -> None:
@@ -24,12 +17,12 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
     if f.get("mlp_bias"):
         raise f.refuse("mlp_bias", True, "false (no projection biases)")
     out.update(hf_rope(f, out["head_dim"]).fields())
-    _window(out, f.get("sliding_window"))
+    window_on_every_layer(out, f.get("sliding_window"))
 
 
 def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     out.update(gguf_rope(f, index, out["head_dim"]).fields())
-    _window(out, f.get("attention.sliding_window"))
+    window_on_every_layer(out, f.get("attention.sliding_window"))
 
 
 ARCH = Arch(

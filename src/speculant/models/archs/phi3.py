@@ -11,17 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope
+from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope, window_on_every_layer
 
 
 def _rotary(out: dict[str, Any], rope_dim: int) -> None:
     out["rope_dim"] = 0 if rope_dim == out["head_dim"] else rope_dim
-
-
-def _window(out: dict[str, Any], window: Any) -> None:
-    if window and int(window) < out["max_seq_len"]:  # a wider window changes nothing
-        out["sliding_window"] = int(window)
-        out["layer_types"] = ("sliding",) * out["n_layers"]
 
 
 def hf(f: Fields, out: dict[str, Any]) -> None:
@@ -36,13 +30,13 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
     _rotary(out, rope_dim)
     f.get("original_max_position_embeddings")  # read by a LongRoPE scaling
     out.update(hf_rope(f, rope_dim).fields())
-    _window(out, f.get("sliding_window"))
+    window_on_every_layer(out, f.get("sliding_window"))
 
 
 def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     rope_dim = out["rope_dim"] or out["head_dim"]
     out.update(gguf_rope(f, index, rope_dim).fields())
-    _window(out, f.get("attention.sliding_window"))  # 0 where the config had none
+    window_on_every_layer(out, f.get("attention.sliding_window"))  # 0 where the config had none
 
 
 ARCH = Arch(
