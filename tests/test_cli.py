@@ -88,3 +88,23 @@ def test_help_and_docs_use_the_new_spellings() -> None:
         assert "--target-dtype" not in text
         assert "train eagle" not in text
         assert "speculant verify" not in text
+
+
+def test_an_unexpected_error_is_called_a_bug_and_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No traceback reaches the user: an exception the project did not raise itself is
+    one line saying it is a bug and where its traceback went, exit status 1."""
+    import speculant.models.cli as models_cli
+
+    def broken(args: object) -> int:
+        raise KeyError("deep inside")
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    monkeypatch.setattr(models_cli, "cmd_models_list", broken)
+    assert main(["models", "list"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error (a bug" in err and "KeyError" in err and "Traceback" not in err
+    logs = list((tmp_path / "logs").glob("crash-*.log"))
+    assert len(logs) == 1 and "deep inside" in logs[0].read_text()
+    assert str(logs[0]) in err

@@ -305,6 +305,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Our errors name the bad value and what is allowed; no traceback for users.
         print(f"speculant: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 (anything else is a bug: said so, logged)
+        where = _crash_log(exc)
+        print(
+            f"speculant: internal error (a bug, please report it): {type(exc).__name__}: "
+            f"{exc}; the traceback is in {where}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _crash_log(exc: BaseException) -> str:
+    """Write exc's traceback under $SPECULANT_HOME/logs; its path (or why not)."""
+    import time
+    import traceback
+
+    from speculant.models.registry import speculant_home
+
+    folder = speculant_home() / "logs"
+    path = folder / f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{id(exc):x}.log"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            " ".join(sys.argv) + "\n\n" + "".join(traceback.format_exception(exc)),
+            encoding="utf-8",
+        )
+    except OSError as err:
+        return f"nowhere ({folder} cannot be written: {err.strerror})"
+    return str(path)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ def rope_tables(
     inv_freq: tuple[float, ...] = (),
     attn_factor: float = 1.0,
     rope_dim: int = 0,
+    start: int = 0,
 ) -> Tensor:
-    """cos/sin per position: [2, n_pos, head_dim] float32 (rotate-half layout).
+    """cos/sin per position start .. start+n_pos-1: [2, n_pos, head_dim] float32
+    (rotate-half layout).
 
     `inv_freq` [rope_dim / 2], where given, replaces theta's frequencies (a scaling rule's);
     `attn_factor` multiplies cos and sin (YaRN's attention factor). `rope_dim` < head_dim
@@ -28,7 +30,7 @@ def rope_tables(
     rot = rope_dim or head_dim
     given = torch.tensor(inv_freq, dtype=torch.float32) if inv_freq else None
     freq = default_inv_freq(rot, theta) if given is None else given
-    pos = torch.arange(n_pos, dtype=torch.float32) / scaling
+    pos = torch.arange(start, start + n_pos, dtype=torch.float32) / scaling
     freqs = torch.outer(pos, freq)  # [n_pos, rot / 2]
     cos, sin = freqs.cos(), freqs.sin()
     if attn_factor != 1.0:

@@ -17,6 +17,7 @@ matmuls whose masked tail contributes exact zeros. Tests check the bitwise invar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,8 @@ from speculant.models.formats import (  # noqa: F401 (re-exported)
 from speculant.models.numerics import Padding, calibrate, padded_rows
 from speculant.models.segment import Segment
 from speculant.tree import tree_depth, tree_depths, tree_paths
+
+ROPE_BLOCK = 1024  # positions of rotary table computed at a time (see _cover_positions)
 
 # The keys [lo, hi) each query row sees on the native path: (causal lo, sliding-window lo,
 # hi), each [rows] int64.
@@ -125,33 +128,49 @@ class Transformer:
         self._unfusable = False  # decided: these layers cannot run in one call
         self._fused_window = False  # the fused layers all slide (Mistral, Phi-3)
         self.fuse_layers = True  # False: the layers one operation at a time (tests, A/B)
-        n_pos = config.max_seq_len + 16
-
-        def table(inv_freq: tuple[float, ...]) -> Tensor:
-            return rope_tables(
-                config.head_dim,
-                config.rope_theta,
-                n_pos,
-                config.rope_scaling_factor,
-                inv_freq,
-                config.rope_attn_factor,
-                config.rope_dim,
-            ).to(dtype)
-
-        self._rope_full = table(config.rope_inv_freq)
-        # LongRoPE: the tables of sequences whose cache holds more than rope_long_context
-        self._rope_long = table(config.rope_inv_freq_long) if config.rope_inv_freq_long else None
-        local = config.rope_local_theta  # sliding layers' own base; None: the full table
-        self._rope_local = (
-            rope_tables(config.head_dim, local, n_pos, rope_dim=config.rope_dim).to(dtype)
-            if local
-            else None
-        )
-        # cos = 1, sin = 0: the rows of layers without a rotary embedding (sliced per pass)
-        self._rope_none = (
-            identity_rope(n_pos, config.head_dim, dtype) if config.no_rope_layers else None
-        )
+        # Rotary tables cover the positions the caches so far need (grown by doubling,
+        # never past the context): a file's context length costs nothing until used.
+        self._rope_positions = 0
+        self._rope_full = torch.empty(2, 0, config.head_dim, dtype=dtype)
+        self._rope_long: Tensor | None = None  # LongRoPE: sequences past the original context
+        self._rope_local: Tensor | None = None  # sliding layers' own base; None: the full table
+        self._rope_none: Tensor | None = None  # cos 1, sin 0: layers without rope
+        self._cover_positions(min(config.max_seq_len + 16, ROPE_BLOCK))
         self._residual = torch.tensor(config.residual_scale, dtype=dtype)
+
+    def _cover_positions(self, n: int) -> None:
+        """Rotary tables for positions 0 .. n-1 at least, grown a block of ROPE_BLOCK
+        positions at a time (at least doubling). Each block is computed alone, by the
+        same call whenever it is made, so a position's values never depend on when the
+        table grew: keys cached before a growth and queries after it see the same bits."""
+        if n <= self._rope_positions:
+            return
+        c, dtype = self.config, self.dtype
+        want = max(n, min(2 * self._rope_positions, c.max_seq_len + 16))
+        blocks = range(self._rope_positions // ROPE_BLOCK, -(-want // ROPE_BLOCK))
+
+        def grow(old: Tensor | None, **kw: Any) -> Tensor:
+            parts = [] if old is None else [old]
+            for b in blocks:
+                parts.append(
+                    rope_tables(c.head_dim, n_pos=ROPE_BLOCK, start=b * ROPE_BLOCK, **kw).to(dtype)
+                )
+            return torch.cat(parts, dim=1)
+
+        full = dict(
+            theta=c.rope_theta,
+            scaling=c.rope_scaling_factor,
+            attn_factor=c.rope_attn_factor,
+            rope_dim=c.rope_dim,
+        )
+        self._rope_full = grow(self._rope_full, inv_freq=c.rope_inv_freq, **full)
+        if c.rope_inv_freq_long:
+            self._rope_long = grow(self._rope_long, inv_freq=c.rope_inv_freq_long, **full)
+        if c.rope_local_theta:
+            self._rope_local = grow(self._rope_local, theta=c.rope_local_theta, rope_dim=c.rope_dim)
+        self._rope_positions = blocks.stop * ROPE_BLOCK
+        if c.no_rope_layers:
+            self._rope_none = identity_rope(self._rope_positions, c.head_dim, dtype)
 
     @property
     def row_padding(self) -> Padding:
@@ -182,7 +201,7 @@ class Transformer:
         c = self.config
         dtype = self.kv_dtype if kv_dtype is None else self._check_kv_dtype(kv_dtype)
         cache = KVCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype)
-        if self._rope_long is not None and capacity > c.rope_long_context:
+        if c.rope_inv_freq_long and capacity > c.rope_long_context:
             cache.rope_variant = 1  # LongRoPE: a context past the original one
         return cache
 
@@ -398,6 +417,7 @@ class Transformer:
 
     def _segment_context(self, seg: Segment, rows: int) -> _SegmentContext:
         """Masks and rotary tables of one segment's padded rows."""
+        self._cover_positions(seg.cache.rows)
         start, end = seg.start, seg.start + rows
         if seg.tree_parents is not None:
             return self._tree_context(seg, rows)

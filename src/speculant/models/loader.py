@@ -83,6 +83,107 @@ def _assemble(
     return Weights(tok_embeddings=emb, norm=cast(need("norm")), output=output, layers=layers)
 
 
+# ------------------------------------------------------------------------ shapes
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each role's shape in our layout ([out, in] for a matrix), from the config: what
+    a file's tensors are checked against before anything is read."""
+    c = config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return {
+        "embed": (c.vocab_size, c.dim),
+        "output": (c.vocab_size, c.dim),
+        "norm": (c.dim,),
+        "attn_norm": (c.dim,),
+        "ffn_norm": (c.dim,),
+        "post_attn_norm": (c.dim,),
+        "post_ffn_norm": (c.dim,),
+        "q": (q, c.dim),
+        "k": (kv, c.dim),
+        "v": (kv, c.dim),
+        "qkv": (q + 2 * kv, c.dim),
+        "o": (c.dim, q),
+        "q_bias": (q,),
+        "k_bias": (kv,),
+        "v_bias": (kv,),
+        "q_norm": (q,) if c.qk_norm_all_heads else (c.head_dim,),
+        "k_norm": (kv,) if c.qk_norm_all_heads else (c.head_dim,),
+        "gate": (c.ffn_dim, c.dim),
+        "up": (c.ffn_dim, c.dim),
+        "gate_up": (2 * c.ffn_dim, c.dim),
+        "down": (c.dim, c.ffn_dim),
+    }
+
+
+def check_shapes(
+    config: ModelConfig, names: dict[str, str], shapes: dict[str, tuple[int, ...]], where: str
+) -> None:
+    """Refuse the first tensor of `shapes` ({name: shape in our layout}) whose shape is
+    not what the config makes of its role (a transposed matrix, a norm of another width,
+    a fused tensor of the wrong size). Phi-3's GGUF `ffn_up` holds gate and up: its
+    role is gate_up where the names say so."""
+    want = expected_shapes(config)
+    for role, pattern in sorted(names.items(), key=lambda kv: kv[0] != "gate_up"):
+        if role not in want:
+            continue
+        per_layer = "{i}" in pattern
+        for i in range(config.n_layers if per_layer else 1):
+            name = pattern.format(i=i)
+            if name not in shapes:
+                continue
+            shape, expected = tuple(shapes[name]), want[role]
+            if role in ("up",) and "gate_up" in names and names["gate_up"] == pattern:
+                continue  # the fused tensor, checked as gate_up
+            if shape != expected:
+                raise ModelLoadError(
+                    f"{where}: tensor {name} has shape {list(shape)}; the config makes it "
+                    f"{list(expected)} ({role}; [out, in] for a matrix)"
+                )
+
+
+_TOKEN_ID_KEYS = (
+    "bos_token_id",
+    "eos_token_id",
+    "eot_token_id",
+    "eom_token_id",
+    "padding_token_id",
+    "unknown_token_id",
+    "seperator_token_id",  # sic: llama.cpp's spelling
+    "cls_token_id",
+    "mask_token_id",
+)
+
+
+def check_gguf_tokenizer(index: GGUFIndex, config: ModelConfig) -> None:
+    """Before a GGUF tokenizer is converted: no more tokens than the model has embedding
+    rows, and every special token id a token of the list."""
+    meta = index.metadata
+    count = meta.get("tokenizer.ggml.tokens")  # the list's length (not read)
+    if count is None:
+        return
+    if not isinstance(count, int) or count > config.vocab_size:
+        raise ModelLoadError(
+            f"{index.path}: tokenizer.ggml.tokens holds {count} tokens but the model has "
+            f"{config.vocab_size} embedding rows: a token past them could never be decoded"
+        )
+    for key in ("token_type", "scores"):  # one per token, where present
+        other = meta.get(f"tokenizer.ggml.{key}")
+        if isinstance(other, list) and len(other) != count:
+            raise ModelLoadError(
+                f"{index.path}: tokenizer.ggml.{key} has {len(other)} entries for "
+                f"{count} tokens: need one per token"
+            )
+    for key in _TOKEN_ID_KEYS:
+        value = meta.get(f"tokenizer.ggml.{key}")
+        for v in value if isinstance(value, list) else [value]:
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < count:
+                raise ModelLoadError(
+                    f"{index.path}: metadata tokenizer.ggml.{key}={v!r} is not allowed: a "
+                    f"token id from 0 to {count - 1}"
+                )
+
+
 # --------------------------------------------------------------------------- HF folders
 def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
     try:
@@ -111,6 +212,13 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
             source[canon.removeprefix("language_model.")] = (handle, key)
 
     plus_one = archs.for_config(config).hf_norm_plus_one
+    names = archs.hf_names(archs.for_config(config))
+    check_shapes(
+        config,
+        names,
+        {name: tuple(h.get_slice(k).get_shape()) for name, (h, k) in source.items()},
+        str(path),
+    )
 
     def get(name: str) -> Tensor | None:
         if name not in source:
@@ -122,7 +230,6 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, Weights]:
         order = _partial_rotary_rows(config, names, name)
         return t if order is None else t[order]
 
-    names = archs.hf_names(archs.for_config(config))
     return config, _assemble(config, get, names, dtype)
 
 
@@ -213,11 +320,18 @@ def _dequantized(index: GGUFIndex, config: ModelConfig, name: str) -> Tensor:
 def _open_gguf(
     path: Path, progress: Callable[[int, int], None] | None
 ) -> tuple[GGUFIndex, ModelConfig, Callable[[], None]]:
-    """The file's index, its config, and a tick() that reports one more tensor read."""
+    """The file's index, its config (its tensors' shapes checked against it), and a
+    tick() that reports one more tensor read."""
     try:
         index = read_gguf(path)
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from exc
+    config = config_from_gguf(index)
+    names = archs.gguf_names(archs.for_config(config))
+    check_shapes(
+        config, names, {n: tuple(reversed(t.shape)) for n, t in index.tensors.items()}, str(path)
+    )
+    check_gguf_tokenizer(index, config)
     done = [0]
 
     def tick() -> None:
@@ -225,7 +339,7 @@ def _open_gguf(
         if progress is not None:
             progress(done[0], len(index.tensors))
 
-    return index, config_from_gguf(index), tick
+    return index, config, tick
 
 
 def load_gguf(

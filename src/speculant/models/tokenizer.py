@@ -495,6 +495,10 @@ def _convert_gguf(path: Path) -> tuple[str, dict[str, Any]]:
             raise TokenizerError(
                 "transformers is needed to convert a GGUF tokenizer the first time"
             ) from e
+        except Exception as e:  # the conversion's own errors, of any type: one line
+            raise TokenizerError(
+                f"{path}: its tokenizer metadata cannot be converted: {type(e).__name__}: {e}"
+            ) from None
     backend_json, meta = _meta_from_hf_tokenizer(hf_tok, extra_eos)
     if meta["chat_template"] is None and isinstance(md.get("tokenizer.chat_template"), str):
         meta["chat_template"] = md["tokenizer.chat_template"]

@@ -134,7 +134,7 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     out: dict[str, Any] = {"arch": arch.name, **common_hf(f)}
     arch.hf(f, out)
     check_math_keys(f)
-    return ModelConfig(**out)
+    return _config(out, where)
 
 
 def config_from_gguf(index: Any) -> ModelConfig:
@@ -152,4 +152,11 @@ def config_from_gguf(index: Any) -> ModelConfig:
         raise f.refuse("rope.dimension_count", out["rope_dim"], f"{out['head_dim']} (all)")
     arch.gguf(f, out, index)
     check_unread(f, list(index.metadata))
-    return ModelConfig(**out)
+    return _config(out, str(index.path))
+
+
+def _config(fields: dict[str, Any], where: str) -> ModelConfig:
+    try:
+        return ModelConfig(**fields)
+    except ValueError as exc:  # fields that contradict each other
+        raise ArchError(f"{where}: {exc}") from None

@@ -56,8 +56,26 @@ class Fields:
             raise ArchError(f"{self.where}: {self.prefix + key} is missing")
         return value
 
+    def count(self, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+        """An integer setting within [lo, hi] (a missing key: `default`, or refused)."""
+        value = self.get(key, default) if default is not _MISSING else self.need(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise self.refuse(key, value, f"an integer from {lo} to {hi}")
+        return value
+
+    def number(self, key: str, lo: float, hi: float, default: Any = _MISSING) -> float:
+        """A finite number within [lo, hi] (a missing key: `default`, or refused)."""
+        value = self.get(key, default) if default is not _MISSING else self.need(key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or not lo <= value <= hi:
+            raise self.refuse(key, value, f"a number from {lo:g} to {hi:g}")
+        return float(value)
+
     def refuse(self, key: str, value: Any, allowed: str) -> ArchError:
-        return ArchError(f"{self.where}: {self.prefix + key}={value!r} is not supported: {allowed}")
+        shown = repr(value)
+        if len(shown) > 80:  # an array: its start
+            shown = shown[:77] + "..."
+        return ArchError(f"{self.where}: {self.prefix + key}={shown} is not supported: {allowed}")
 
 
 # Config keys of Hugging Face families that change a model's math, with the value that
@@ -104,58 +122,94 @@ class Arch:
 
 
 # ------------------------------------------------------------------- shared parsing
+# Bounds of the shapes a config may ask for: beyond the largest published models, and
+# small enough that nothing derived from them overflows or asks for absurd memory.
+MAX_DIM = 1 << 16
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_FFN = 1 << 20
+MAX_CONTEXT = 1 << 24  # positions; nothing is allocated for them until a sequence needs it
+MAX_VOCAB = 1 << 21
+
+
+def _heads(f: Fields, out: dict[str, Any], key_dim: str | None, heads_key: str) -> None:
+    """head_dim and the checks between dim, heads and kv heads."""
+    dim, n_heads, n_kv = out["dim"], out["n_heads"], out["n_kv_heads"]
+    if n_heads % n_kv:
+        raise f.refuse(heads_key, n_kv, f"a divisor of the {n_heads} query heads")
+    if key_dim is None:
+        if dim % n_heads:
+            raise f.refuse(heads_key.replace("_kv", ""), n_heads, f"a divisor of width {dim}")
+        out["head_dim"] = dim // n_heads
+
+
 def common_hf(f: Fields) -> dict[str, Any]:
     """The fields every family's config.json spells the same way."""
-    n_heads = int(f.need("num_attention_heads"))
-    dim = int(f.need("hidden_size"))
-    n_layers = int(f.need("num_hidden_layers"))
-    return dict(
-        vocab_size=int(f.need("vocab_size")),
-        dim=dim,
-        n_layers=n_layers,
+    n_heads = f.count("num_attention_heads", 1, MAX_HEADS)
+    out: dict[str, Any] = dict(
+        vocab_size=f.count("vocab_size", 1, MAX_VOCAB),
+        dim=f.count("hidden_size", 1, MAX_DIM),
+        n_layers=f.count("num_hidden_layers", 1, MAX_LAYERS),
         n_heads=n_heads,
-        n_kv_heads=int(f.get("num_key_value_heads") or n_heads),
-        head_dim=int(f.get("head_dim") or dim // n_heads),
-        ffn_dim=int(f.need("intermediate_size")),
-        norm_eps=float(f.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(f.get("max_position_embeddings", 4096)),
+        n_kv_heads=f.count("num_key_value_heads", 1, MAX_HEADS, n_heads),
+        ffn_dim=f.count("intermediate_size", 1, MAX_FFN),
+        norm_eps=f.number("rms_norm_eps", 0.0, 1.0, 1e-6),
+        max_seq_len=f.count("max_position_embeddings", 1, MAX_CONTEXT, 4096),
         tie_embeddings=bool(f.get("tie_word_embeddings", False)),
     )
+    head_dim = f.get("head_dim")
+    if head_dim is not None:
+        out["head_dim"] = f.count("head_dim", 2, MAX_HEAD_DIM)
+    _heads(f, out, None if head_dim is None else "head_dim", "num_key_value_heads")
+    return out
 
 
 def common_gguf(f: Fields, index: Any) -> dict[str, Any]:
     """The fields every family's GGUF metadata spells the same way (keys "{arch}.*")."""
-    dim = int(f.need("embedding_length"))
-    n_heads = int(f.need("attention.head_count"))
-    head_dim = int(f.get("attention.key_length", dim // n_heads))
-    value_dim = int(f.get("attention.value_length", head_dim))
-    if value_dim != head_dim:
-        raise f.refuse("attention.value_length", value_dim, f"only {head_dim} (key_length)")
-    rope_dim = int(f.get("rope.dimension_count", head_dim))
-    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
-        raise f.refuse("rope.dimension_count", rope_dim, f"an even count up to {head_dim}")
-    if "token_embd.weight" not in index.tensors:
-        raise ArchError(f"{f.where}: tensor token_embd.weight is missing")
-    vocab = int(index.tensors["token_embd.weight"].shape[-1])  # gguf shapes are (in, out)
-    f.get("vocab_size")  # the tokenizer's count; the table's rows are the model's
+    dim = f.count("embedding_length", 1, MAX_DIM)
+    n_heads = f.count("attention.head_count", 1, MAX_HEADS)
     n_kv = f.get("attention.head_count_kv", n_heads)
     if isinstance(n_kv, list):  # per layer: only one count for every layer is implemented
         if len(set(n_kv)) != 1:
             raise f.refuse("attention.head_count_kv", n_kv, "one count for every layer")
         n_kv = n_kv[0]
-    return dict(
+    if isinstance(n_kv, bool) or not isinstance(n_kv, int) or not 1 <= n_kv <= MAX_HEADS:
+        raise f.refuse("attention.head_count_kv", n_kv, f"an integer from 1 to {MAX_HEADS}")
+    out: dict[str, Any] = dict(dim=dim, n_heads=n_heads, n_kv_heads=n_kv)
+    has_key_dim = f.has("attention.key_length")
+    if has_key_dim:
+        out["head_dim"] = f.count("attention.key_length", 2, MAX_HEAD_DIM)
+    _heads(f, out, "attention.key_length" if has_key_dim else None, "attention.head_count_kv")
+    head_dim = out["head_dim"]
+    value_dim = f.count("attention.value_length", 1, MAX_HEAD_DIM, head_dim)
+    if value_dim != head_dim:
+        raise f.refuse("attention.value_length", value_dim, f"only {head_dim} (key_length)")
+    rope_dim = f.count("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim)
+    if rope_dim % 2 or not 0 < rope_dim <= head_dim:
+        raise f.refuse("rope.dimension_count", rope_dim, f"an even count up to {head_dim}")
+    if "token_embd.weight" not in index.tensors:
+        raise ArchError(f"{f.where}: tensor token_embd.weight is missing")
+    emb = index.tensors["token_embd.weight"].shape  # gguf shapes are (in, out)
+    if len(emb) != 2 or emb[0] != dim:
+        raise ArchError(
+            f"{f.where}: tensor token_embd.weight has shape {list(emb)}: need [{dim}, vocab] "
+            "(embedding_length values per token)"
+        )
+    vocab = int(emb[1])
+    if vocab > MAX_VOCAB:
+        raise ArchError(f"{f.where}: {vocab} embedding rows: at most {MAX_VOCAB}")
+    f.get("vocab_size")  # the tokenizer's count; the table's rows are the model's
+    out.update(
         vocab_size=vocab,
-        dim=dim,
-        n_layers=int(f.need("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=int(n_kv),
-        head_dim=head_dim,
-        ffn_dim=int(f.need("feed_forward_length")),
-        norm_eps=float(f.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_seq_len=int(f.get("context_length", 4096)),
+        n_layers=f.count("block_count", 1, MAX_LAYERS),
+        ffn_dim=f.count("feed_forward_length", 1, MAX_FFN),
+        norm_eps=f.number("attention.layer_norm_rms_epsilon", 0.0, 1.0, 1e-6),
+        max_seq_len=f.count("context_length", 1, MAX_CONTEXT, 4096),
         tie_embeddings="output.weight" not in index.tensors,
         rope_dim=0 if rope_dim == head_dim else rope_dim,
     )
+    return out
 
 
 def window_on_every_layer(out: dict[str, Any], window: Any) -> None:
