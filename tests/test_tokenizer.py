@@ -554,3 +554,46 @@ def test_streamed_text_equals_a_whole_decode_in_linear_work(name: str) -> None:
             assert tracker.text == tok.decode(seq[: i + 1], skip_special_tokens=True), i
         n = len(seq)
         assert decoded[0] < n * n / 8, (decoded[0], n)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        # ten billion loop steps: stopped by the time budget
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "s budget",
+        ),
+        ("{{ 'x' * 5000000000 }}", "a repeated value of 5000000000 characters"),
+        ("{% for i in range(100000) %}{{ 'x' * 50000 }}{% endfor %}", "the rendered prompt"),
+        ("{{ 'x' | center(1000000000) }}", "an argument of 1000000000"),
+        ("{{ 'x'.ljust(1000000000) }}", "an argument of 1000000000"),
+        ("{{ 2 ** 100000000 }}", "an exponent"),
+        ("{{ range(10000000) | list }}", "10000000"),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+        ("{{ messages.__class__.__mro__ }}", "failed"),
+        ("{{ cycler.__init__.__globals__ }}", "failed"),
+        ("{{ lipsum.__globals__['os'] }}", "failed"),
+        ("{% for %}", "failed"),  # not a template
+    ],
+)
+def test_templates_are_bounded_and_fail_in_one_line(
+    tiny: Tokenizer, monkeypatch: pytest.MonkeyPatch, template: str, message: str
+) -> None:
+    """A template that loops, multiplies, pads, recurses or reaches past the sandbox is
+    stopped within its time and output budget, with one ChatTemplateError (a ValueError)
+    naming the template, before it allocates what it asks for."""
+    import time
+
+    import jinja2
+
+    from speculant.models import chat_template
+
+    monkeypatch.setattr(chat_template, "TIME_BUDGET_S", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(chat_template.ChatTemplateError, match=message) as info:
+        tiny.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template)
+    assert time.monotonic() - t0 < 30  # a bound on a hang (the budget is 0.5 s)
+    assert str(info.value).startswith("the chat template given failed")
+    assert isinstance(info.value, ValueError) and isinstance(info.value, jinja2.TemplateError)
+    assert "\n" not in str(info.value)

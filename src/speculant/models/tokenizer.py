@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import tokenizers
 
 from speculant.models import chat_template as templates
@@ -224,22 +225,30 @@ class Tokenizer:
             raise TokenizerError(f"{self.source or 'this tokenizer'} has no chat template")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
-        if chat_template is None:
-            with self._template_lock:
-                if self._compiled_template is None:
-                    self._compiled_template = templates.compile_template(template)
-                compiled = self._compiled_template
-        else:
-            compiled = templates.compile_template(template)
-        return templates.render(
-            compiled,
-            messages,
-            special_tokens_map=self.special_tokens_map,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            documents=documents,
-            variables=kwargs,
+        source = (
+            f"the chat template of {self.source or 'this tokenizer'}"
+            if chat_template is None
+            else "the chat template given"
         )
+        try:
+            if chat_template is None:
+                with self._template_lock:
+                    if self._compiled_template is None:
+                        self._compiled_template = templates.compile_template(template)
+                    compiled = self._compiled_template
+            else:
+                compiled = templates.compile_template(template)
+            return templates.render(
+                compiled,
+                messages,
+                special_tokens_map=self.special_tokens_map,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                variables=kwargs,
+            )
+        except jinja2.TemplateError as exc:  # one line naming the template
+            raise templates.ChatTemplateError(f"{source} failed: {exc}") from None
 
     # ----------------------------------------------------------------- loaders
 

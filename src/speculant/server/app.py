@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from speculant.anomaly import AnomalyVerdict
 from speculant.cadence import Ticker, TokenSplitter, wait_for_slot
+from speculant.models.chat_template import ChatTemplateError
 from speculant.requests import (
     GenerationResult,
     GenerationStats,
@@ -260,7 +261,10 @@ def _tokenize(engine: EngineClient, req: ParsedRequest) -> list[int]:
                 f"model {engine.model_name!r} has no chat template: use /v1/completions",
                 param="messages",
             )
-        text = tok.apply_chat_template(req.messages)
+        try:
+            text = tok.apply_chat_template(req.messages)
+        except ChatTemplateError as exc:  # the template refuses these messages, or runs away
+            raise APIError(str(exc), param="messages", code="chat_template_error") from None
         return tok.encode(text, add_special_tokens=False)
     if req.prompt_ids is not None:
         return req.prompt_ids
