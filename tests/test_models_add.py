@@ -60,6 +60,18 @@ def test_a_changed_file_is_refused(home: Path, own_file: Path) -> None:
     assert main(["models", "verify", "mine"]) == 1
 
 
+def test_a_trusted_mismatch_is_said_on_the_load_line(
+    home: Path, own_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    added.add(own_file, "mine", progress=False)
+    data = bytearray(own_file.read_bytes())
+    data[-5] ^= 0xFF
+    own_file.write_bytes(data)
+    load_model(own_file, progress=True, trust_unverified=True)
+    err = capsys.readouterr().err
+    assert "UNVERIFIED: it fails its sha256 check" in err and "no manifest" not in err
+
+
 def test_bad_adds_are_refused_and_record_nothing(
     home: Path, own_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -625,6 +625,48 @@ def test_disconnect_cancels_the_sequence(
     assert not engine._active
 
 
+def test_a_client_that_hangs_up_on_a_whole_response_cancels_it(
+    server: tuple[str, AsyncEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-streaming request whose client gives up (a read timeout closes its
+    connection) is cancelled: its sequences stop and free the batch within 2 s."""
+    url, engine = server
+    sched = engine._sched
+    step = sched.step
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.02)  # 150 tokens take 3 s or more: the hang-up comes first
+        return step()
+
+    monkeypatch.setattr(sched, "step", slow_step)
+    before = metrics(url).get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "red", "max_tokens": 150, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=0.5)
+    hung_up = time.monotonic()
+    while time.monotonic() < hung_up + 10:
+        m = metrics(url)
+        done = m.get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
+        if done > before and m["speculant:num_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the abandoned request kept running")
+    assert time.monotonic() - hung_up < 2.0, "cancelled, but later than 2 s after the hang-up"
+    assert not engine._active
+
+
+def test_a_body_that_is_not_utf8_gets_an_openai_error(server: tuple[str, AsyncEngine]) -> None:
+    url, _ = server
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=headers)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "not UTF-8" in error["message"] and "byte 12 is 0xff" in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
 def test_32_concurrent_streams(
     models: tuple[Model, Model], server: tuple[str, AsyncEngine]
 ) -> None:

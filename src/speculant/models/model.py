@@ -281,11 +281,24 @@ def _load_path(
     if progress:
         print(
             f"loaded {name} ({config.arch}, {weights.nbytes() / 1e9:.2f} GB {label}{kernels}, "
-            f"{'sha256 verified' if verified else 'unverified: no manifest'}) "
+            f"{_integrity_label(path, verified)}) "
             f"in {time.perf_counter() - t0:.1f}s",
             file=sys.stderr,
         )
     return Model(name, config, net, tokenizer, source=path)
+
+
+def _integrity_label(path: Path, verified: bool) -> str:
+    """The load line's word on the file: verified, nothing vouches for it, or (loaded
+    with trust_unverified) it failed its check."""
+    from speculant.models.integrity import expected_digest, read_manifest
+
+    if verified:
+        return "sha256 verified"
+    vouched = bool(read_manifest(path)) if path.is_dir() else expected_digest(path) is not None
+    if vouched:
+        return "UNVERIFIED: it fails its sha256 check, loaded as --trust-unverified asked"
+    return "unverified: no manifest"
 
 
 def _source_digest(path: Path, progress: bool) -> str:

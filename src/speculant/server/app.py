@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -103,29 +103,7 @@ def create_app(
         on_refuse=lambda status: metrics.errors.labels(status=str(status)).inc(),
     )
 
-    @app.middleware("http")
-    async def auth(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if _draining(engine) and request.url.path.startswith("/v1"):
-            metrics.errors.labels(status="503").inc()
-            return JSONResponse(_draining_error().body(), status_code=503)
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode(), api_key.encode()
-            )
-            if not ok:
-                metrics.errors.labels(status="401").inc()
-                err = APIError(
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                    status=401,
-                    code="invalid_api_key",
-                    type="authentication_error",
-                )
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(_Gate, engine=engine, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -392,6 +370,47 @@ class _Reply:
             return {"token": text, "logprob": _floor(value), "bytes": list(text.encode())}
 
         return {**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+
+
+class _Gate:
+    """ASGI middleware in front of /v1: refuses while draining (503) and without the
+    API key (401). Pure ASGI, not `@app.middleware("http")`: that wrapper hides a
+    client's hang-up from the endpoint, so a non-streaming request whose client left
+    ran to its last token."""
+
+    def __init__(self, app: Any, engine: Any, api_key: str | None) -> None:
+        self.app = app
+        self.engine = engine
+        self.api_key = api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).startswith("/v1"):
+            await self.app(scope, receive, send)
+            return
+        metrics = self.engine.metrics
+        refusal: tuple[int, dict[str, Any]] | None = None
+        if _draining(self.engine):
+            refusal = (503, _draining_error().body())
+        elif self.api_key:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = given.partition(" ")
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()
+            )
+            if not ok:
+                err = APIError(
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    status=401,
+                    code="invalid_api_key",
+                    type="authentication_error",
+                )
+                refusal = (401, err.body())
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        status, body = refusal
+        metrics.errors.labels(status=str(status)).inc()
+        await JSONResponse(body, status_code=status)(scope, receive, send)
 
 
 def _floor(value: float) -> float:

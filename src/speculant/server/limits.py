@@ -72,6 +72,16 @@ class BodyLimits:
             if not message.get("more_body", False):
                 break
         raw = b"".join(chunks)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            err = APIError(
+                f"the request body is not UTF-8 (byte {exc.start} is {raw[exc.start]:#04x}): "
+                "send JSON encoded as UTF-8",
+                code="invalid_value",
+            )
+            await self._refuse(send, err)
+            return
         depth = json_depth(raw, self.max_depth)
         if depth > self.max_depth:
             err = APIError(
