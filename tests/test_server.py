@@ -625,25 +625,61 @@ def test_disconnect_cancels_the_sequence(
     assert not engine._active
 
 
-def test_a_client_that_hangs_up_on_a_whole_response_cancels_it(
-    server: tuple[str, AsyncEngine], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A non-streaming request whose client gives up (a read timeout closes its
-    connection) is cancelled: its sequences stop and free the batch within 2 s."""
-    url, engine = server
+def _slow_steps(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     sched = engine._sched
     step = sched.step
 
     def slow_step():  # type: ignore[no-untyped-def]
-        time.sleep(0.02)  # 150 tokens take 3 s or more: the hang-up comes first
+        time.sleep(seconds)
         return step()
 
     monkeypatch.setattr(sched, "step", slow_step)
-    before = metrics(url).get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
+
+
+def _hang_up_whole(url: str, prompt: str) -> None:
+    """A non-streaming request whose client gives up: a read timeout closes it."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"prompt": "red", "max_tokens": 150, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": 120, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=0.5)
+        httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=0.3)
+
+
+def _hang_up_openai_stream(url: str, prompt: str) -> None:
+    """The openai client reads one streamed chunk, then closes the stream."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=150, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    stream.close()
+
+
+@pytest.mark.parametrize(
+    ("how", "step_s", "prompt"),
+    [
+        pytest.param("whole", 0.02, "red", id="whole-mid-decode"),  # 150 tokens: 3 s or more
+        # every step 0.6 s: the client (0.3 s) hangs up during the prompt's pass
+        pytest.param("whole", 0.6, "red green blue " * 10, id="whole-mid-prefill"),
+        pytest.param("openai stream", 0.02, "red", id="openai-stream"),
+    ],
+)
+def test_a_client_that_hangs_up_cancels_its_request(
+    server: tuple[str, AsyncEngine],
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    step_s: float,
+    prompt: str,
+) -> None:
+    """A client that goes away, streaming or not, mid-prefill or mid-decode: its request
+    is cancelled and the batch freed within 2 s (before, a non-streaming one ran to its
+    last token)."""
+    url, engine = server
+    _slow_steps(engine, monkeypatch, step_s)
+    before = metrics(url).get("speculant:request_success_total{finished_reason=cancelled}", 0.0)
+    if how == "openai stream":
+        _hang_up_openai_stream(url, prompt)
+    else:
+        _hang_up_whole(url, prompt)
     hung_up = time.monotonic()
     while time.monotonic() < hung_up + 10:
         m = metrics(url)
