@@ -204,9 +204,13 @@ print(json.dumps(out))
 """
 
 
-def test_each_hostile_file_is_refused_by_name(base: Path, tmp_path: Path) -> None:
+def _check_in_a_child(
+    cases: dict[str, tuple[Callable[[Path, Path], Path], str | None]], base: Path, tmp_path: Path
+) -> None:
+    """Make each case's file, load them all in one child process (3 GB of address
+    space), and check each outcome and the child's peak resident memory."""
     files = []
-    for i, (name, (make, _)) in enumerate(CASES.items()):
+    for i, (name, (make, _)) in enumerate(cases.items()):
         files.append([name, str(make(base, tmp_path / f"case{i}.gguf"))])
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     run = subprocess.run(
@@ -219,7 +223,7 @@ def test_each_hostile_file_is_refused_by_name(base: Path, tmp_path: Path) -> Non
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     results = {name: (outcome, msg, rope) for name, outcome, msg, rope in json.loads(run.stdout)}
     problems = []
-    for (name, (_, want)), (_, path) in zip(CASES.items(), files, strict=True):
+    for (name, (_, want)), (_, path) in zip(cases.items(), files, strict=True):
         outcome, msg, rope = results[name]
         if want is None:
             if outcome != "loaded" or rope > 4096:
@@ -229,6 +233,40 @@ def test_each_hostile_file_is_refused_by_name(base: Path, tmp_path: Path) -> Non
     assert not problems, "\n".join(problems)
     if peak_kb > before:  # the child's peak (ru_maxrss is the largest child's)
         assert peak_kb < 1_500_000, f"peak resident memory {peak_kb} kB"
+
+
+def test_each_hostile_file_is_refused_by_name(base: Path, tmp_path: Path) -> None:
+    _check_in_a_child(CASES, base, tmp_path)
+
+
+def _retyped(name: str, ggml_type: int) -> Callable[[Parts], None]:
+    return _tensor(name, ggml_type=ggml_type)
+
+
+REAL_CASES: dict[str, tuple[Callable[[Path, Path], Path], str | None]] = {
+    "zero heads": (_edit(_set("llama.attention.head_count", 0)), "head_count=0"),
+    "a 3-million-token vocabulary": (_edit(_more_tokens(3_000_000)), "holds 3049152 tokens"),
+    "a transposed ffn_down": (
+        _edit(_tensor("blk.5.ffn_down.weight", dims=lambda t: [t.dims[1], t.dims[0]])),
+        "blk.5.ffn_down.weight has shape",
+    ),
+    "a tensor's type changed": (_edit(_retyped("blk.3.attn_q.weight", 1)), "overlap"),
+    "context_length 2**40": (
+        _edit(_set("llama.context_length", 1 << 40, VT.UINT64)),
+        "context_length=1099511627776",
+    ),
+}
+
+
+@pytest.mark.real
+def test_rewrites_of_a_real_file_are_refused_by_name(tmp_path: Path) -> None:
+    """The same on SmolLM2's registry file (rewritten: metadata and tensor table changed,
+    data copied): a 3-million-token vocabulary is named before the tokenizer is
+    converted (it took minutes and 6.8 GB), a retyped Q4_1 tensor (as F16) overlaps its
+    neighbour, a transposed matrix is named."""
+    from conftest import real_model_path
+
+    _check_in_a_child(REAL_CASES, real_model_path("smollm2-135m-instruct"), tmp_path)
 
 
 @settings(
