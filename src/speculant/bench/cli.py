@@ -412,6 +412,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="power per busy core for the energy estimate, when RAPL counters are unreadable",
     )
     p.add_argument("--trust-unverified", action="store_true", help="load unverified GGUF files")
+    p.add_argument(
+        "--synthetic",
+        metavar="SHAPE[:MIX]",
+        default=None,
+        help="target: a GGUF of a real model's shape with random weights (a pass costs "
+        "what the real model's does), written once into $SPECULANT_HOME/synthetic/: "
+        "SHAPE one of llama-3.1-8b, llama-3.2-1b, qwen2.5-0.5b, qwen2.5-7b, qwen2.5-14b, "
+        "qwen3-0.6b, qwen3-8b; MIX one of Q4_K_M (default), Q8_0, Q4_0, Q6_K. It has no "
+        "tokenizer: use it with --pass-cost (e.g. speculant bench --pass-cost --synthetic "
+        "llama-3.1-8b:Q4_K_M --draft none)",
+    )
     add_serve_args(p)
     add_pass_cost_args(p)
     add_quant_args(p)
@@ -498,6 +509,13 @@ def _load_targets(
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.synthetic:
+        from speculant.bench import synthetic
+
+        shape, mix = synthetic.parse(args.synthetic)
+        if not args.pass_cost:
+            raise ValueError("--synthetic files have no tokenizer: use them with --pass-cost")
+        args.target = str(synthetic.write(shape, mix))
     modes = [m for m in ("serve", "pass_cost", "quant_quality") if getattr(args, m)]
     if len(modes) > 1:
         names = " and ".join("--" + m.replace("_", "-") for m in modes)

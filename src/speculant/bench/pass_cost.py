@@ -142,7 +142,6 @@ def measure_models(
                 f"decoded tokens = {need} positions: {model.name} has "
                 f"{model.config.max_seq_len}"
             )
-        assert model.tokenizer is not None
         ids = prompt_ids(model, cfg.context)
         if len(ids) < cfg.context:
             raise ValueError(f"the prompt gives {len(ids)} tokens, fewer than {cfg.context}")

@@ -27,6 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from speculant import native
 from speculant.native import cpus
 
@@ -128,6 +130,9 @@ PROMPT = "def quicksort(items):\n    "  # repeated to the context's length
 def prompt_ids(model: Any, n: int) -> list[int]:
     """The first n tokens of PROMPT repeated (>= 1 token a copy), the context every timed
     pass follows (here and in `speculant bench --pass-cost`)."""
+    if model.tokenizer is None:  # a file without a tokenizer (synthetic weights): fixed ids
+        gen = torch.Generator().manual_seed(0)
+        return torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
     ids: list[int] = model.tokenizer.encode(PROMPT * max(64, n))[:n]
     return ids
 
