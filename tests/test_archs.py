@@ -406,3 +406,38 @@ def test_any_pair_of_files_whose_vocabularies_agree(root: Path, tmp_path: Path) 
     other = write_gguf(small, tmp_path / "draft-other.gguf", "Q8_0", renamed={40: "zzz"})
     with pytest.raises(TokenizerMismatchError, match="token id 40 is 'zzz' in the draft"):
         Engine(target, draft=load_model(other, dtype="gguf", progress=False))
+
+
+def test_shape_settings_are_bounded_and_named(root: Path, tmp_path: Path) -> None:
+    """A config whose heads do not divide its width, or whose layer interval is 0 (a
+    division by zero before), is refused naming the key that is wrong."""
+    import json
+    import re
+
+    cases = [
+        (
+            "llama3-rope",
+            {"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": None},
+            "num_attention_heads=3 is not supported: a divisor of width 128",
+        ),
+        ("llama3-rope", {"num_key_value_heads": 3}, "num_key_value_heads=3"),
+        (
+            "smollm3",
+            {"no_rope_layers": None, "no_rope_layer_interval": 0},
+            "no_rope_layer_interval=0",
+        ),
+        ("llama3-rope", {"sliding_window": [64]}, "sliding_window=[64]"),
+    ]
+    for name, change, match in cases:
+        b = built(name, root)
+        cfg = json.loads((b.folder / "config.json").read_text())
+        bad = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        bad.mkdir()
+        for f in b.folder.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        cfg.update(change)
+        (bad / "config.json").write_text(
+            json.dumps({k: v for k, v in cfg.items() if v is not None})
+        )
+        with pytest.raises(ModelLoadError, match=re.escape(match)):
+            load_model(bad, dtype="float32", progress=False)

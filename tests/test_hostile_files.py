@@ -4,7 +4,8 @@ for it, with one error that names the file and what is wrong, or loads harmlessl
 The files are rewrites of a small valid one (tests/hostile_gguf.py). The loads run in a
 child process with its address space capped at 3 GB, so that a file asking for
 gigabytes fails the test instead of the machine; how far each file raises the child's
-peak resident memory is checked too (under 1 GB). The header parser is also fuzzed (hypothesis): it raises nothing but GGUFError."""
+peak resident memory is checked too (under 1 GB). The header parser is also fuzzed
+(hypothesis): it raises nothing but GGUFError."""
 
 from __future__ import annotations
 

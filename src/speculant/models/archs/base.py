@@ -59,6 +59,10 @@ class Fields:
     def count(self, key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
         """An integer setting within [lo, hi] (a missing key: `default`, or refused)."""
         value = self.get(key, default) if default is not _MISSING else self.need(key)
+        return self.bounded(key, value, lo, hi)
+
+    def bounded(self, key: str, value: Any, lo: int, hi: int) -> int:
+        """`value` (read from `key`) if it is an integer within [lo, hi], else refused."""
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise self.refuse(key, value, f"an integer from {lo} to {hi}")
         return value
@@ -133,14 +137,15 @@ MAX_CONTEXT = 1 << 24  # positions; nothing is allocated for them until a sequen
 MAX_VOCAB = 1 << 21
 
 
-def _heads(f: Fields, out: dict[str, Any], key_dim: str | None, heads_key: str) -> None:
-    """head_dim and the checks between dim, heads and kv heads."""
+def _heads(f: Fields, out: dict[str, Any], heads_key: str, kv_key: str) -> None:
+    """The checks between width, heads and kv heads; head_dim from them where the config
+    gives none."""
     dim, n_heads, n_kv = out["dim"], out["n_heads"], out["n_kv_heads"]
     if n_heads % n_kv:
-        raise f.refuse(heads_key, n_kv, f"a divisor of the {n_heads} query heads")
-    if key_dim is None:
+        raise f.refuse(kv_key, n_kv, f"a divisor of the {n_heads} query heads")
+    if "head_dim" not in out:
         if dim % n_heads:
-            raise f.refuse(heads_key.replace("_kv", ""), n_heads, f"a divisor of width {dim}")
+            raise f.refuse(heads_key, n_heads, f"a divisor of width {dim}")
         out["head_dim"] = dim // n_heads
 
 
@@ -158,10 +163,9 @@ def common_hf(f: Fields) -> dict[str, Any]:
         max_seq_len=f.count("max_position_embeddings", 1, MAX_CONTEXT, 4096),
         tie_embeddings=bool(f.get("tie_word_embeddings", False)),
     )
-    head_dim = f.get("head_dim")
-    if head_dim is not None:
+    if f.get("head_dim") is not None:
         out["head_dim"] = f.count("head_dim", 2, MAX_HEAD_DIM)
-    _heads(f, out, None if head_dim is None else "head_dim", "num_key_value_heads")
+    _heads(f, out, "num_attention_heads", "num_key_value_heads")
     return out
 
 
@@ -174,13 +178,11 @@ def common_gguf(f: Fields, index: Any) -> dict[str, Any]:
         if len(set(n_kv)) != 1:
             raise f.refuse("attention.head_count_kv", n_kv, "one count for every layer")
         n_kv = n_kv[0]
-    if isinstance(n_kv, bool) or not isinstance(n_kv, int) or not 1 <= n_kv <= MAX_HEADS:
-        raise f.refuse("attention.head_count_kv", n_kv, f"an integer from 1 to {MAX_HEADS}")
+    n_kv = f.bounded("attention.head_count_kv", n_kv, 1, MAX_HEADS)
     out: dict[str, Any] = dict(dim=dim, n_heads=n_heads, n_kv_heads=n_kv)
-    has_key_dim = f.has("attention.key_length")
-    if has_key_dim:
+    if f.has("attention.key_length"):
         out["head_dim"] = f.count("attention.key_length", 2, MAX_HEAD_DIM)
-    _heads(f, out, "attention.key_length" if has_key_dim else None, "attention.head_count_kv")
+    _heads(f, out, "attention.head_count", "attention.head_count_kv")
     head_dim = out["head_dim"]
     value_dim = f.count("attention.value_length", 1, MAX_HEAD_DIM, head_dim)
     if value_dim != head_dim:
@@ -212,11 +214,13 @@ def common_gguf(f: Fields, index: Any) -> dict[str, Any]:
     return out
 
 
-def window_on_every_layer(out: dict[str, Any], window: Any) -> None:
-    """A sliding window that every layer applies (Mistral, Phi-3); a window no narrower
-    than the context changes nothing and is left out (so the layers can run fused)."""
-    if window and int(window) < out["max_seq_len"]:
-        out["sliding_window"] = int(window)
+def window_on_every_layer(f: Fields, out: dict[str, Any], key: str) -> None:
+    """A sliding window (config key `key`) that every layer applies (Mistral, Phi-3); 0
+    or none is no window, and so is one no narrower than the context (the layers can
+    then run fused)."""
+    window = f.count(key, 0, MAX_CONTEXT, 0)
+    if window and window < out["max_seq_len"]:
+        out["sliding_window"] = window
         out["layer_types"] = ("sliding",) * out["n_layers"]
 
 

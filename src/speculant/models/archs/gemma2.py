@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope
+from speculant.models.archs.base import MAX_CONTEXT, MAX_LAYERS, Arch, Fields, gguf_rope, hf_rope
 
 _HF_NORMS = {
     "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
@@ -43,12 +43,12 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
         kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types)
     else:
         kinds = _layers(out["n_layers"], 2)
-    window = f.get("sliding_window")
+    window = f.count("sliding_window", 0, MAX_CONTEXT, 0)
     out.update(
         hf_rope(f, out["head_dim"]).fields(),
         tie_embeddings=bool(f.get("tie_word_embeddings", True)),
         query_scale=float(f.get("query_pre_attn_scalar", out["head_dim"])) ** -0.5,
-        sliding_window=int(window) if window else None,
+        sliding_window=window or None,
         layer_types=kinds if window else (),
         attn_softcap=f.get("attn_logit_softcapping"),
         final_logit_softcap=f.get("final_logit_softcapping"),
@@ -57,7 +57,7 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
 
 def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     _shared(out)
-    period = int(f.get("attention.sliding_window_pattern", 2) or 2)
+    period = f.count("attention.sliding_window_pattern", 1, MAX_LAYERS, 2)
     base = gguf_rope(f, index, out["head_dim"])
     local = float(f.get("rope.freq_base_swa", base.theta))
     dim, heads = out["dim"], out["n_heads"]
@@ -66,7 +66,7 @@ def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
         base.fields(),
         rope_local_theta=None if local == base.theta else local,
         query_scale=scale,
-        sliding_window=int(f.get("attention.sliding_window", 4096)),
+        sliding_window=f.count("attention.sliding_window", 1, MAX_CONTEXT, 4096),
         layer_types=_layers(out["n_layers"], period),
         attn_softcap=f.get("attn_logit_softcapping"),
         final_logit_softcap=f.get("final_logit_softcapping"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope
+from speculant.models.archs.base import MAX_CONTEXT, MAX_LAYERS, Arch, Fields, gguf_rope, hf_rope
 
 _HF_NORMS = {
     "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
@@ -35,7 +35,7 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
         local_theta = float(f.get("rope_local_base_freq"))
     else:
         local_theta = local.theta
-    pattern = int(f.get("sliding_window_pattern", 6))
+    pattern = f.count("sliding_window_pattern", 1, MAX_LAYERS, 6)
     layer_types = f.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
         for i in range(out["n_layers"])
@@ -43,13 +43,13 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
     act = f.get("hidden_activation", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
         raise f.refuse("hidden_activation", act, "gelu_pytorch_tanh")
-    window = f.get("sliding_window")
+    window = f.count("sliding_window", 0, MAX_CONTEXT, 0)
     out.update(
         full.fields(),
         rope_local_theta=local_theta,
         tie_embeddings=bool(f.get("tie_word_embeddings", True)),
         query_scale=float(f.get("query_pre_attn_scalar", out["head_dim"])) ** -0.5,
-        sliding_window=int(window) if window else None,
+        sliding_window=window or None,
         layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in layer_types),
         final_logit_softcap=f.get("final_logit_softcapping"),
     )
@@ -60,12 +60,12 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
 def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     _shared(out)
     # llama.cpp's gemma3 conventions: every 6th layer is global, local rope base 10k.
-    pattern = int(f.get("attention.sliding_window_pattern", 6) or 6)
+    pattern = f.count("attention.sliding_window_pattern", 1, MAX_LAYERS, 6)
     out.update(
         gguf_rope(f, index, out["head_dim"]).fields(),
         rope_local_theta=10000.0,
         query_scale=out["head_dim"] ** -0.5,
-        sliding_window=int(f.need("attention.sliding_window")),
+        sliding_window=f.count("attention.sliding_window", 1, MAX_CONTEXT),
         layer_types=tuple(
             "full" if (i + 1) % pattern == 0 else "sliding" for i in range(out["n_layers"])
         ),

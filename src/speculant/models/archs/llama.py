@@ -17,12 +17,12 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
     if f.get("mlp_bias"):
         raise f.refuse("mlp_bias", True, "false (no projection biases)")
     out.update(hf_rope(f, out["head_dim"]).fields())
-    window_on_every_layer(out, f.get("sliding_window"))
+    window_on_every_layer(f, out, "sliding_window")
 
 
 def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     out.update(gguf_rope(f, index, out["head_dim"]).fields())
-    window_on_every_layer(out, f.get("attention.sliding_window"))
+    window_on_every_layer(f, out, "attention.sliding_window")
 
 
 ARCH = Arch(

@@ -30,13 +30,13 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
     _rotary(out, rope_dim)
     f.get("original_max_position_embeddings")  # read by a LongRoPE scaling
     out.update(hf_rope(f, rope_dim).fields())
-    window_on_every_layer(out, f.get("sliding_window"))
+    window_on_every_layer(f, out, "sliding_window")
 
 
 def gguf(f: Fields, out: dict[str, Any], index: Any) -> None:
     rope_dim = out["rope_dim"] or out["head_dim"]
     out.update(gguf_rope(f, index, rope_dim).fields())
-    window_on_every_layer(out, f.get("attention.sliding_window"))  # 0 where the config had none
+    window_on_every_layer(f, out, "attention.sliding_window")  # 0: none
 
 
 ARCH = Arch(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speculant.models.archs.base import Arch, Fields, gguf_rope, hf_rope
+from speculant.models.archs.base import MAX_LAYERS, Arch, Fields, gguf_rope, hf_rope
 
 DEFAULT_INTERVAL = 4
 
@@ -26,7 +26,7 @@ def hf(f: Fields, out: dict[str, Any]) -> None:
     f.get("layer_types")
     n = out["n_layers"]
     uses_rope = f.get("no_rope_layers")
-    interval = int(f.get("no_rope_layer_interval", DEFAULT_INTERVAL))
+    interval = f.count("no_rope_layer_interval", 1, MAX_LAYERS, DEFAULT_INTERVAL)
     if uses_rope is None:
         skipped = _interval(n, interval)
     elif len(uses_rope) != n:
