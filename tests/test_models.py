@@ -222,3 +222,20 @@ def test_calibration_sees_a_reordered_sum() -> None:
 
         y = _sensitive_rows(same_order, 768, 32, torch.bfloat16, gen)
         assert _invariant(same_order, y, counts, shifted=True)
+
+
+def test_rotary_tables_grow_without_changing_a_bit() -> None:
+    """A table grown in steps equals one grown at once, and each block equals the table
+    rope_tables computes for it: positions keep their bits whenever the table grows."""
+    from speculant.models.attention import ROPE_BLOCK, extend_rope, rope_tables
+
+    kw = dict(head_dim=64, theta=500000.0, attn_factor=1.1, rope_dim=48)
+    empty = torch.empty(2, 0, 64)
+    stepwise = empty
+    for n in (5, 1500, 1501, 5000):
+        stepwise = extend_rope(stepwise, n, torch.float32, **kw)
+    at_once = extend_rope(empty, 5000, torch.float32, **kw)
+    assert stepwise.shape[1] >= 5000 and torch.equal(stepwise[:, :5000], at_once[:, :5000])
+    block = rope_tables(n_pos=ROPE_BLOCK, start=2 * ROPE_BLOCK, **kw)
+    assert torch.equal(at_once[:, 2 * ROPE_BLOCK : 3 * ROPE_BLOCK], block)
+    assert extend_rope(at_once, 10, torch.float32, **kw) is at_once  # nothing to add

@@ -43,6 +43,7 @@ from speculant.models.decoder import (
     Linear,
     apply_rope,
     embed_rows,
+    extend_rope,
     linear,
     rms_norm,
     rope_tables,
@@ -205,24 +206,15 @@ class HeadRuntime:
         self.embeddings = embeddings  # the target's own table, rows cast when looked up
         self.lm = w(lm_rows.float())
         self.draft_vocab = sd["draft_vocab"].long()
-        # rotary rows for the positions seen so far, grown a block at a time (see _rope_rows)
-        self.rope = torch.empty(2, 0, cfg.head_dim, dtype=self.act)
-        self._rope_rows(min(max_positions + 64, ROPE_BLOCK))
+        # rotary rows for the positions seen so far, grown as they come (extend_rope)
+        self.rope = self._rope_rows(
+            torch.empty(2, 0, cfg.head_dim, dtype=self.act), min(max_positions + 64, ROPE_BLOCK)
+        )
 
-    def _rope_rows(self, n: int) -> None:
-        """Rotary rows for positions 0 .. n-1 at least, each block of ROPE_BLOCK computed
-        alone (as the decoder's), so a position's values never depend on when it came."""
-        have = self.rope.shape[1]
-        if n <= have:
-            return
-        blocks = range(have // ROPE_BLOCK, -(-max(n, 2 * have) // ROPE_BLOCK))
-        new = [
-            rope_tables(
-                self.cfg.head_dim, self.cfg.rope_theta, ROPE_BLOCK, start=b * ROPE_BLOCK
-            ).to(self.act)
-            for b in blocks
-        ]
-        self.rope = torch.cat([self.rope, *new], dim=1)
+    def _rope_rows(self, table: Tensor, n: int) -> Tensor:
+        return extend_rope(
+            table, n, self.act, head_dim=self.cfg.head_dim, theta=self.cfg.rope_theta
+        )
 
     @property
     def nbytes(self) -> int:
@@ -263,7 +255,7 @@ class HeadRuntime:
         h = linear(x, self.fc, self.fc_b)
         qkv = linear(h, self.wqkv, self.bqkv)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        self._rope_rows(int(positions.max()) + 1 if n else 0)
+        self.rope = self._rope_rows(self.rope, int(positions.max()) + 1 if n else 0)
         cos, sin = self.rope[0, positions], self.rope[1, positions]
         q = apply_rope(q.view(n, nh, hd).transpose(0, 1)[None], cos, sin)[0]  # [nh, n, hd]
         k = apply_rope(k.view(n, nkv, hd).transpose(0, 1)[None], cos, sin)[0]

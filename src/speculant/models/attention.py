@@ -3,6 +3,8 @@ a cache whose result does not depend on the key span (see `attend_values`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -28,8 +30,7 @@ def rope_tables(
     (partial rotary): each half of the head holds its rope_dim / 2 rotated dimensions first,
     then the others, whose cos is 1 and sin 0 (the loader orders the q / k rows so)."""
     rot = rope_dim or head_dim
-    given = torch.tensor(inv_freq, dtype=torch.float32) if inv_freq else None
-    freq = default_inv_freq(rot, theta) if given is None else given
+    freq = torch.tensor(inv_freq, dtype=torch.float32) if inv_freq else default_inv_freq(rot, theta)
     pos = torch.arange(start, start + n_pos, dtype=torch.float32) / scaling
     freqs = torch.outer(pos, freq)  # [n_pos, rot / 2]
     cos, sin = freqs.cos(), freqs.sin()
@@ -40,6 +41,28 @@ def rope_tables(
         cos = torch.cat([cos, torch.ones(n_pos, rest)], dim=-1)
         sin = torch.cat([sin, torch.zeros(n_pos, rest)], dim=-1)
     return torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)])
+
+
+ROPE_BLOCK = 1024  # positions of a rotary table computed at a time (see extend_rope)
+
+
+def extend_rope(
+    table: Tensor, n: int, dtype: torch.dtype, limit: int | None = None, **kw: Any
+) -> Tensor:
+    """`table` [2, have, head_dim] (rope_tables(**kw) rows) grown to cover positions
+    0 .. n-1 at least: to twice its rows (but not past `limit` where n does not ask for
+    more), a block of ROPE_BLOCK positions at a time. Each block is computed alone, by the
+    same call whenever it is made, so a position's values never depend on when the table
+    grew: keys cached before a growth and queries after it see the same bits."""
+    have = table.shape[1]
+    if n <= have:
+        return table
+    want = max(n, 2 * have if limit is None else min(2 * have, limit))
+    blocks = [
+        rope_tables(n_pos=ROPE_BLOCK, start=b * ROPE_BLOCK, **kw).to(dtype)
+        for b in range(have // ROPE_BLOCK, -(-want // ROPE_BLOCK))
+    ]
+    return torch.cat([table, *blocks], dim=1)
 
 
 def identity_rope(rows: int, head_dim: int, dtype: torch.dtype) -> Tensor:

@@ -17,7 +17,6 @@ matmuls whose masked tail contributes exact zeros. Tests check the bitwise invar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +25,11 @@ from torch import Tensor
 from speculant import native
 from speculant.cache import KVCache
 from speculant.models.attention import (  # noqa: F401 (re-exported)
+    ROPE_BLOCK,
     apply_rope,
     attend,
     attend_values,
+    extend_rope,
     identity_rope,
     rope_tables,
 )
@@ -47,8 +48,6 @@ from speculant.models.formats import (  # noqa: F401 (re-exported)
 from speculant.models.numerics import Padding, calibrate, padded_rows
 from speculant.models.segment import Segment
 from speculant.tree import tree_depth, tree_depths, tree_paths
-
-ROPE_BLOCK = 1024  # positions of rotary table computed at a time (see _cover_positions)
 
 # The keys [lo, hi) each query row sees on the native path: (causal lo, sliding-window lo,
 # hi), each [rows] int64.
@@ -128,47 +127,48 @@ class Transformer:
         self._unfusable = False  # decided: these layers cannot run in one call
         self._fused_window = False  # the fused layers all slide (Mistral, Phi-3)
         self.fuse_layers = True  # False: the layers one operation at a time (tests, A/B)
-        # Rotary tables cover the positions the caches so far need (grown by doubling,
-        # never past the context): a file's context length costs nothing until used.
+        # Rotary tables cover the positions the caches so far need (extend_rope): a
+        # file's context length costs nothing until a sequence reaches it.
         self._rope_positions = 0
-        self._rope_full = torch.empty(2, 0, config.head_dim, dtype=dtype)
-        self._rope_long: Tensor | None = None  # LongRoPE: sequences past the original context
-        self._rope_local: Tensor | None = None  # sliding layers' own base; None: the full table
+        empty = torch.empty(2, 0, config.head_dim, dtype=dtype)
+        self._rope_full = empty
+        self._rope_long = empty  # LongRoPE: sequences past the original context
+        self._rope_local = empty  # sliding layers' own base (rope_local_theta), if any
         self._rope_none: Tensor | None = None  # cos 1, sin 0: layers without rope
         self._cover_positions(min(config.max_seq_len + 16, ROPE_BLOCK))
         self._residual = torch.tensor(config.residual_scale, dtype=dtype)
 
     def _cover_positions(self, n: int) -> None:
-        """Rotary tables for positions 0 .. n-1 at least, grown a block of ROPE_BLOCK
-        positions at a time (at least doubling). Each block is computed alone, by the
-        same call whenever it is made, so a position's values never depend on when the
-        table grew: keys cached before a growth and queries after it see the same bits."""
+        """Rotary tables for positions 0 .. n-1 at least (extend_rope: block by block,
+        the same bits whenever a block is made)."""
         if n <= self._rope_positions:
             return
-        c, dtype = self.config, self.dtype
-        want = max(n, min(2 * self._rope_positions, c.max_seq_len + 16))
-        blocks = range(self._rope_positions // ROPE_BLOCK, -(-want // ROPE_BLOCK))
-
-        def grow(old: Tensor | None, **kw: Any) -> Tensor:
-            parts = [] if old is None else [old]
-            for b in blocks:
-                parts.append(
-                    rope_tables(c.head_dim, n_pos=ROPE_BLOCK, start=b * ROPE_BLOCK, **kw).to(dtype)
-                )
-            return torch.cat(parts, dim=1)
-
+        c, dtype, limit = self.config, self.dtype, self.config.max_seq_len + 16
         full = dict(
+            head_dim=c.head_dim,
             theta=c.rope_theta,
             scaling=c.rope_scaling_factor,
             attn_factor=c.rope_attn_factor,
             rope_dim=c.rope_dim,
         )
-        self._rope_full = grow(self._rope_full, inv_freq=c.rope_inv_freq, **full)
+        self._rope_full = extend_rope(
+            self._rope_full, n, dtype, limit, inv_freq=c.rope_inv_freq, **full
+        )
+        self._rope_positions = self._rope_full.shape[1]
         if c.rope_inv_freq_long:
-            self._rope_long = grow(self._rope_long, inv_freq=c.rope_inv_freq_long, **full)
+            self._rope_long = extend_rope(
+                self._rope_long, n, dtype, limit, inv_freq=c.rope_inv_freq_long, **full
+            )
         if c.rope_local_theta:
-            self._rope_local = grow(self._rope_local, theta=c.rope_local_theta, rope_dim=c.rope_dim)
-        self._rope_positions = blocks.stop * ROPE_BLOCK
+            self._rope_local = extend_rope(
+                self._rope_local,
+                n,
+                dtype,
+                limit,
+                head_dim=c.head_dim,
+                theta=c.rope_local_theta,
+                rope_dim=c.rope_dim,
+            )
         if c.no_rope_layers:
             self._rope_none = identity_rope(self._rope_positions, c.head_dim, dtype)
 
@@ -411,9 +411,11 @@ class Transformer:
         """The full layers' rotary table of a sequence: LongRoPE's long one where its cache
         holds more than the original context (`new_cache` decides: llama.cpp's rule, with
         the sequence's context), else the usual one."""
-        if self._rope_long is not None and cache.rope_variant == 1:
-            return self._rope_long
-        return self._rope_full
+        return self._rope_long if cache.rope_variant == 1 else self._rope_full
+
+    def _local_table(self, full_table: Tensor) -> Tensor:
+        """The sliding layers' rotary table: their own base's, or the full layers'."""
+        return self._rope_local if self.config.rope_local_theta else full_table
 
     def _segment_context(self, seg: Segment, rows: int) -> _SegmentContext:
         """Masks and rotary tables of one segment's padded rows."""
@@ -425,7 +427,7 @@ class Transformer:
         rope = slice(start, end)
         full_table = self._full_table(seg.cache)
         full = full_table[:, rope]
-        local = (full_table if self._rope_local is None else self._rope_local)[:, rope]
+        local = self._local_table(full_table)[:, rope]
         if self.native_ops:
             empty = torch.empty(0, dtype=torch.bool)
             return _SegmentContext(empty, empty, full, local, ranges=self._ranges(q_pos))
@@ -481,7 +483,7 @@ class Transformer:
             paths.append(_TreePath(nodes, owned, chain_rows, causal, window))
         empty = torch.empty(0, dtype=torch.bool)
         full_table = self._full_table(seg.cache)
-        local = full_table if self._rope_local is None else self._rope_local
+        local = self._local_table(full_table)
         return _SegmentContext(empty, empty, full_table[:, q_pos], local[:, q_pos], paths)
 
     def _attention(
