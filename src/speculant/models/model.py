@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from speculant.models.loader import (
     load_hf_dir,
 )
 from speculant.models.segment import Segment
-from speculant.models.tokenizer import Tokenizer
+from speculant.models.tokenizer import NoTokenizerError, Tokenizer
 
 DTYPES = {
     "float32": torch.float32,
@@ -241,7 +241,7 @@ def _load_path(
     if quant == "gguf":
         verified = check_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_gguf_native(path)  # memory-mapped: nothing to wait for
-        tokenizer = _gguf_tokenizer(path, lambda: _source_digest(path, progress))
+        tokenizer = _gguf_tokenizer(path, _source_digest(path, progress))
     elif path.is_dir():
         verified = check_folder_integrity(path, trust_unverified=trust, progress=progress)
         config, weights = load_hf_dir(path, dtype)
@@ -259,7 +259,7 @@ def _load_path(
             if quant:
                 weights.quantize(quant)
             weight_cache.save(path, label, config, weights, digest)
-        tokenizer = _gguf_tokenizer(path, lambda: digest)
+        tokenizer = _gguf_tokenizer(path, digest)
     else:
         raise ModelLoadError(f"{path} is neither a .gguf file nor a Hugging Face folder")
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
@@ -288,15 +288,13 @@ def _load_path(
     return Model(name, config, net, tokenizer, source=path)
 
 
-def _gguf_tokenizer(path: Path, digest: Callable[[], str]) -> Tokenizer | None:
-    """The file's tokenizer; None for a file without one (tokenizer.ggml.model "none",
-    or no token list, as synthetic-weight files have): the model then runs on ids."""
-    from speculant.models.gguf_file import read_gguf
-
-    meta = read_gguf(path).metadata
-    if meta.get("tokenizer.ggml.model") == "none" or "tokenizer.ggml.tokens" not in meta:
+def _gguf_tokenizer(path: Path, digest: str) -> Tokenizer | None:
+    """The file's tokenizer (from its cache when converted before); None for a file that
+    carries none (synthetic weights): the model then runs on ids."""
+    try:
+        return Tokenizer.from_gguf(path, source_sha256=digest)
+    except NoTokenizerError:
         return None
-    return Tokenizer.from_gguf(path, source_sha256=digest())
 
 
 def _integrity_label(path: Path, verified: bool) -> str:

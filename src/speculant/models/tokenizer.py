@@ -83,6 +83,11 @@ class TokenizerError(RuntimeError):
     """A tokenizer could not be loaded or used."""
 
 
+class NoTokenizerError(TokenizerError):
+    """A GGUF file that carries no tokenizer (`tokenizer.ggml.model` "none", or no token
+    list): its model runs on token ids."""
+
+
 class Tokenizer:
     """Text <-> token ids, with transformers-compatible semantics.
 
@@ -480,8 +485,8 @@ def _meta_from_hf_tokenizer(hf_tok: Any, extra_eos: Sequence[int]) -> tuple[str,
 def _convert_gguf(path: Path) -> tuple[str, dict[str, Any]]:
     """Convert a GGUF file's tokenizer with transformers (metadata only)."""
     md = read_gguf_metadata(path)
-    if "tokenizer.ggml.tokens" not in md:
-        raise TokenizerError(f"{path} has no tokenizer in its metadata")
+    if md.get("tokenizer.ggml.model") == "none" or "tokenizer.ggml.tokens" not in md:
+        raise NoTokenizerError(f"{path} has no tokenizer in its metadata")
     extra_eos: list[int] = []
     for key in (
         "tokenizer.ggml.eos_token_id",
