@@ -122,17 +122,15 @@ def check_shapes(
     a fused tensor of the wrong size). Phi-3's GGUF `ffn_up` holds gate and up: its
     role is gate_up where the names say so."""
     want = expected_shapes(config)
-    for role, pattern in sorted(names.items(), key=lambda kv: kv[0] != "gate_up"):
-        if role not in want:
-            continue
-        per_layer = "{i}" in pattern
-        for i in range(config.n_layers if per_layer else 1):
+    fused = {names[role] for role in ("qkv", "gate_up") if role in names}
+    for role, pattern in names.items():
+        if role not in want or (pattern in fused and role not in ("qkv", "gate_up")):
+            continue  # a fused tensor's name is checked for the fused role only
+        for i in range(config.n_layers if "{i}" in pattern else 1):
             name = pattern.format(i=i)
             if name not in shapes:
                 continue
             shape, expected = tuple(shapes[name]), want[role]
-            if role in ("up",) and "gate_up" in names and names["gate_up"] == pattern:
-                continue  # the fused tensor, checked as gate_up
             if shape != expected:
                 raise ModelLoadError(
                     f"{where}: tensor {name} has shape {list(shape)}; the config makes it "
