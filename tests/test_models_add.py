@@ -84,8 +84,15 @@ def test_bad_adds_are_refused_and_record_nothing(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    from hostile_gguf import read_parts, write_parts
+
+    parts = read_parts(own_file)
+    t = parts.tensor("blk.0.ffn_down.weight")
+    t.dims = [t.dims[1], t.dims[0]]
+    transposed = write_parts(parts, tmp_path / "transposed.gguf")
     cases = [
         (["models", "add", str(odd)], "'mamba' is not supported"),
+        (["models", "add", str(transposed)], "blk.0.ffn_down.weight has shape"),
         (["models", "add", str(tmp_path / "absent.gguf")], "does not exist"),
         (["models", "add", str(own_file), "--name", "bad name!"], "is not allowed"),
         (["models", "add", str(own_file), "--name", "smollm2-135m-instruct"], "built-in"),

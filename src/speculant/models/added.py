@@ -71,21 +71,19 @@ def digest_for(path: Path) -> tuple[str, str] | None:
 
 def describe(path: Path) -> str:
     """'<architecture>, <n> layers, ...' of a model file or folder; refuses one that
-    cannot be loaded (an unsupported architecture or setting) with the loader's reason."""
+    cannot be loaded (its header fails a check a load makes, an unsupported architecture
+    or setting) with the loader's reason."""
     from speculant.models import loader
-    from speculant.models.gguf_file import GGUFError, read_gguf
 
+    cfg_file = path / "config.json"
+    if path.is_dir() and not cfg_file.is_file():
+        raise AddError(f"{path} has no config.json: not a Hugging Face model folder")
     try:
         if path.is_dir():
-            cfg_file = path / "config.json"
-            if not cfg_file.is_file():
-                raise AddError(f"{path} has no config.json: not a Hugging Face model folder")
             config = loader.config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
         else:
-            config = loader.config_from_gguf(read_gguf(path))
-    except (loader.ModelLoadError, GGUFError, ValueError) as exc:
-        if isinstance(exc, AddError):
-            raise
+            config = loader.check_gguf(path)
+    except ValueError as exc:  # ModelLoadError, or a config.json that is not JSON
         raise AddError(f"{path} cannot be loaded, so it is not recorded: {exc}") from None
     return (
         f"{config.arch}, {config.n_layers} layers, width {config.dim}, "

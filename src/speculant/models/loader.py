@@ -340,6 +340,12 @@ def _open_gguf(
     return index, config, tick
 
 
+def check_gguf(path: Path) -> ModelConfig:
+    """The config of a GGUF file whose header passes every check a load makes (its
+    metadata, tensor table, shapes and tokenizer), read without its tensors."""
+    return _open_gguf(path, None)[1]
+
+
 def load_gguf(
     path: Path, dtype: torch.dtype, progress: Callable[[int, int], None] | None = None
 ) -> tuple[ModelConfig, Weights]:
